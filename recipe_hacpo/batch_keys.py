@@ -1,0 +1,37 @@
+"""The fields HACPO adds to verl's `DataProto`, declared once.
+
+Shapes: B rows (responses), T learner response tokens. verl's own keys (`input_ids`,
+`attention_mask`, `position_ids`, `responses`, `response_mask`, `old_log_probs`,
+`advantages`, `token_level_scores`, `uid`, `raw_prompt`, `data_source`, `reward_model`)
+keep their verl meaning and are not repeated here.
+"""
+
+# batch (tensors)
+SOURCE = "hacpo_source"
+"""int64 [B] — index j of the agent that generated the response (its position in `agents:`)."""
+
+IS_CROSS = "hacpo_is_cross"
+"""bool [B] — True when the response came from another agent than the learner of this batch."""
+
+OMEGA = "hacpo_omega"
+"""float32 [B] — capability discrepancy coefficient ω^(src,k) of spec §3; 1.0 on own rows."""
+
+SOURCE_LOG_PROB_MEAN = "hacpo_source_log_prob_mean"
+"""float32 [B] — mean over the source's own tokens of log π^(src)_old(y_i); the source term of §4."""
+
+REWARD = "hacpo_reward"
+"""float32 [B] — scalar verifier reward R_i of the response (shared by every learner)."""
+
+# non_tensor_batch (numpy object arrays)
+RESPONSE_TEXT = "hacpo_response_text"
+"""object [B] — decoded response text (no special tokens); what crosses tokenizers."""
+
+FINISHED = "hacpo_finished"
+"""bool-like object [B] — the source stopped on its EOS (not on the length limit)."""
+
+# meta_info / non-tensor scalars passed to the worker
+UPDATE_INDEX = "hacpo_update_index"
+"""int — m of spec §5: optimizer updates the learner already made in this training step."""
+
+HACPO_ROW_KEYS = (SOURCE, IS_CROSS, OMEGA, SOURCE_LOG_PROB_MEAN)
+"""Per-row tensors the HACPO loss reads from the batch on the worker."""

@@ -1,0 +1,1 @@
+"""Entry point of the `verl.plugins` group: verl imports it on `import verl` in every process."""

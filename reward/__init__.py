@@ -1,0 +1,1 @@
+"""Verifiable math reward in verl custom-reward-function form."""

@@ -1,0 +1,1 @@
+"""verl worker roles and rollout backends of HACPO."""
