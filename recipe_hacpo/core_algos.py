@@ -1,0 +1,478 @@
+"""HACPO's algorithm core: capability tracking, the capability-aware advantage and the loss.
+
+Pure torch/numpy (no Ray, no GPU, no verl import), so it can be checked in isolation and
+called from verl's worker processes. Every function names the section of HACPO_SPEC it
+implements and uses the paper's symbols:
+
+    k        learner agent;  j = src(i) the agent that generated response i
+    R_i      scalar verifier reward of response i
+    P̂^(j)    agent j's smoothed capability (mean reward over the last K steps)     §1
+    ω^(k,j)  P̂^(k) / P̂^(j), clamped                                               §1
+    s_i      sequence-level, length-normalised importance ratio                    §4, §6
+    c_i      s_i clipped to [lower_m, 1] (cross samples)                           §5
+    m        optimizer updates the learner already made in this training step     §5
+
+Shapes: B rows (responses), T learner response tokens, N agents.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+__all__ = [
+    "CROSS_CLIP_MODES",
+    "CapabilityTracker",
+    "capability_ratio",
+    "capability_ratios",
+    "compute_hacpo_advantage",
+    "cross_lower_bound",
+    "exponential_is_weight",
+    "hacpo_policy_loss_matrix",
+    "seq_mean_token_mean",
+    "compute_hacpo_policy_loss",
+]
+
+CROSS_CLIP_MODES = ("stepwise", "fixed", "none", "gspo")
+"""How cross samples are clipped (§5, §8): stepwise (paper), fixed (δ_step = 0), none (no
+clip), gspo (the Naive baseline: cross rows get the own-sample GSPO term)."""
+
+# verl clamps the log of the GSPO ratio at 10 for numerical stability; the same bound is
+# applied here so that one agent with no cross rows reproduces verl's `gspo` loss exactly.
+_LOG_RATIO_MAX = 10.0
+
+
+# ---------------------------------------------------------------------------------------
+# §1 capability tracking
+# ---------------------------------------------------------------------------------------
+class CapabilityTracker:
+    """Smoothed capability P̂^(j)_t of every agent (spec §1).
+
+    P^(j)_t is agent j's mean reward on its own rollouts of step t; P̂^(j)_t is the mean of
+    P^(j) over the last `window` (K) steps including t, floored at `floor` (ε_P) so that the
+    ratios ω stay finite. Before the first `update` every agent has capability 1 (all ω = 1).
+
+    The history is training state: `state_dict()` / `load_state_dict()` checkpoint it.
+    """
+
+    def __init__(
+        self,
+        num_agents: int,
+        window: int = 5,
+        floor: float = 1e-3,
+        omega_clip: tuple[float, float] = (0.1, 10.0),
+    ) -> None:
+        if num_agents < 1:
+            raise ValueError(f"CapabilityTracker: num_agents must be >= 1, got {num_agents}")
+        if window < 1:
+            raise ValueError(f"CapabilityTracker: window (K) must be >= 1, got {window}")
+        if not floor > 0:
+            raise ValueError(f"CapabilityTracker: floor (ε_P) must be > 0, got {floor}")
+        _check_omega_clip(omega_clip)
+        self.num_agents = int(num_agents)
+        self.window = int(window)
+        self.floor = float(floor)
+        self.omega_clip = (float(omega_clip[0]), float(omega_clip[1]))
+        self._history: deque[list[float]] = deque(maxlen=self.window)
+
+    def update(self, step_mean_rewards: Sequence[float]) -> None:
+        """Record P^(j)_t for every agent j (one value per agent, once per training step)."""
+        values = [float(v) for v in step_mean_rewards]
+        if len(values) != self.num_agents:
+            raise ValueError(
+                f"CapabilityTracker.update: expected {self.num_agents} mean rewards (one per agent), "
+                f"got {len(values)}"
+            )
+        if not all(np.isfinite(values)):
+            raise ValueError(f"CapabilityTracker.update: non-finite mean reward in {values}")
+        self._history.append(values)
+
+    def capabilities(self) -> torch.Tensor:
+        """P̂ per agent, float64 [N], floored at ε_P (ones before the first update)."""
+        if not self._history:
+            return torch.ones(self.num_agents, dtype=torch.float64)
+        mean = torch.tensor(list(self._history), dtype=torch.float64).mean(dim=0)
+        return mean.clamp(min=self.floor)
+
+    def omega(self, k: int, j: int) -> float:
+        """ω^(k,j) = P̂^(k) / P̂^(j), clamped to `omega_clip`; ω^(k,k) = 1."""
+        return capability_ratio(self.capabilities(), k, j, self.omega_clip)
+
+    @property
+    def num_updates(self) -> int:
+        """Steps currently inside the window (≤ K)."""
+        return len(self._history)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "num_agents": self.num_agents,
+            "window": self.window,
+            "floor": self.floor,
+            "omega_clip": list(self.omega_clip),
+            "history": [list(row) for row in self._history],
+        }
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        if int(d["num_agents"]) != self.num_agents:
+            raise ValueError(
+                f"CapabilityTracker.load_state_dict: checkpoint has {d['num_agents']} agents, "
+                f"this run has {self.num_agents}"
+            )
+        history = [list(map(float, row)) for row in d["history"]]
+        if any(len(row) != self.num_agents for row in history):
+            raise ValueError("CapabilityTracker.load_state_dict: a history row has the wrong number of agents")
+        # The window of this run wins: a checkpoint taken with a larger K keeps its newest steps.
+        self._history = deque(history, maxlen=self.window)
+
+
+def _check_omega_clip(omega_clip: tuple[float, float]) -> None:
+    lo, hi = omega_clip
+    if not (0 < lo <= 1 <= hi):
+        raise ValueError(f"omega_clip must satisfy 0 < ω_min <= 1 <= ω_max, got {tuple(omega_clip)}")
+
+
+# ---------------------------------------------------------------------------------------
+# §1 capability ratio ω
+# ---------------------------------------------------------------------------------------
+def capability_ratio(
+    capability: torch.Tensor | Sequence[float],
+    k: int,
+    j: int,
+    omega_clip: tuple[float, float] = (0.1, 10.0),
+) -> float:
+    """ω^(k,j) = clamp(P̂^(k) / P̂^(j), ω_min, ω_max); exactly 1 when k == j.
+
+    Args:
+        capability: P̂ per agent, [N] (already floored, e.g. `CapabilityTracker.capabilities()`).
+        k, j: agent indices (numerator, denominator).
+    """
+    if k == j:
+        return 1.0
+    cap = torch.as_tensor(capability, dtype=torch.float64)
+    lo, hi = omega_clip
+    return float((cap[k] / cap[j]).clamp(lo, hi))
+
+
+def capability_ratios(
+    capability: torch.Tensor | Sequence[float],
+    numerator: torch.Tensor | np.ndarray | int,
+    denominator: torch.Tensor | np.ndarray | int,
+    omega_clip: tuple[float, float] = (0.1, 10.0),
+) -> torch.Tensor:
+    """Row-wise ω^(a_i, b_i) = clamp(P̂^(a_i) / P̂^(b_i)), 1 where a_i == b_i; float64 [B].
+
+    `numerator` / `denominator` are agent indices, [B] or scalars (broadcast). §2 uses
+    ω^(k, src(i)) (learner on top), §3 uses ω^(src(i), k) (source on top).
+    """
+    cap = torch.as_tensor(capability, dtype=torch.float64)
+    a = torch.as_tensor(numerator, dtype=torch.long)
+    b = torch.as_tensor(denominator, dtype=torch.long)
+    a, b = torch.broadcast_tensors(a, b)
+    lo, hi = omega_clip
+    ratio = (cap[a] / cap[b]).clamp(lo, hi)
+    return torch.where(a == b, torch.ones_like(ratio), ratio)
+
+
+# ---------------------------------------------------------------------------------------
+# §2 capability-aware advantage
+# ---------------------------------------------------------------------------------------
+def compute_hacpo_advantage(
+    rewards: torch.Tensor,
+    index: np.ndarray | Sequence,
+    source: torch.Tensor | np.ndarray | Sequence[int],
+    learner: int,
+    capability: torch.Tensor | Sequence[float],
+    *,
+    use_capability_baseline: bool = True,
+    norm_by_std: bool = True,
+    epsilon: float = 1e-6,
+    omega_clip: tuple[float, float] = (0.1, 10.0),
+) -> torch.Tensor:
+    """Capability-aware group advantage of learner k (spec §2).
+
+        μ̂^(k)_g = (1/|g|) Σ_{i∈g} ω^(k,src(i)) R_i        (own rows weigh 1)
+        σ_g     = unbiased std of {R_i : i ∈ g}            (all agents' rewards)
+        A^(k)_i = (R_i − μ̂^(k)_g) / (σ_g + ε)              for every i in g, own or cross
+
+    A group whose rewards are all equal gets A = 0 (its ω-weighted mean differs from the
+    common reward, so the formula alone would divide a non-zero numerator by ~ε). A group
+    of one response follows verl's GRPO (μ = 0, σ = 1). With `use_capability_baseline=False`
+    μ̂ is the plain group mean (ablation); with `norm_by_std=False` there is no division
+    (Dr.GRPO). With one agent and no cross rows this is verl's GRPO outcome advantage.
+
+    Args:
+        rewards: R_i, float [B].
+        index: group id per row (verl's `uid`), [B].
+        source: agent that generated each row, int [B].
+        learner: k.
+        capability: P̂ per agent, [N].
+
+    Returns:
+        A^(k), [B], dtype of `rewards`.
+    """
+    rewards = torch.as_tensor(rewards)
+    if rewards.dim() != 1:
+        raise ValueError(f"compute_hacpo_advantage: rewards must be [B], got shape {tuple(rewards.shape)}")
+    batch = rewards.shape[0]
+    if len(index) != batch or len(source) != batch:
+        raise ValueError(
+            f"compute_hacpo_advantage: rewards has {batch} rows, index {len(index)}, source {len(source)}"
+        )
+    _check_omega_clip(omega_clip)
+    if batch == 0:
+        return rewards.clone()
+
+    r = rewards.detach().to(torch.float64)
+    _, group = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
+    group = torch.as_tensor(group.reshape(-1), dtype=torch.long)
+    num_groups = int(group.max()) + 1
+
+    if use_capability_baseline:
+        weight = capability_ratios(capability, learner, source, omega_clip)
+    else:
+        weight = torch.ones(batch, dtype=torch.float64)
+
+    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, torch.ones_like(r))
+    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, weight * r) / count
+    plain_mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, r) / count
+    sq_dev = (r - plain_mean[group]) ** 2
+    var = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, sq_dev) / (count - 1).clamp(min=1)
+    std = var.sqrt()
+    gmax = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce_(0, group, r, "amax")
+    gmin = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce_(0, group, r, "amin")
+
+    singleton = count == 1
+    mean = torch.where(singleton, torch.zeros_like(mean), mean)
+    std = torch.where(singleton, torch.ones_like(std), std)
+
+    centred = r - mean[group]
+    adv = centred / (std[group] + epsilon) if norm_by_std else centred
+    uniform = (gmax == gmin) & ~singleton
+    adv = torch.where(uniform[group], torch.zeros_like(adv), adv)
+    return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
+
+
+# ---------------------------------------------------------------------------------------
+# §5 stepwise clipping bound
+# ---------------------------------------------------------------------------------------
+def cross_lower_bound(update_index: int, delta: float = 0.2, delta_step: float = 0.025, cross_clip: str = "stepwise") -> float:
+    """lower_m of spec §5: the lower clip bound of cross ratios at update m.
+
+        stepwise: lower_m = min(1, 1 − δ + m·δ_step)
+        fixed:    1 − δ
+        none / gspo: no cross clip to [lower, 1] (returns 0.0 for logging).
+    """
+    if cross_clip not in CROSS_CLIP_MODES:
+        raise ValueError(f"cross_clip must be one of {CROSS_CLIP_MODES}, got {cross_clip!r}")
+    if update_index < 0:
+        raise ValueError(f"update_index (m) must be >= 0, got {update_index}")
+    if cross_clip == "stepwise":
+        return min(1.0, 1.0 - delta + update_index * delta_step)
+    if cross_clip == "fixed":
+        return 1.0 - delta
+    return 0.0
+
+
+# ---------------------------------------------------------------------------------------
+# §4 exponential importance sampling
+# ---------------------------------------------------------------------------------------
+def exponential_is_weight(clipped_ratio: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+    """c · sg(c)^α (spec §4): the gradient is c's, the value is damped by c^α.
+
+    α = 0 gives c (mechanism off). Samples the learner finds unlikely (small c) are
+    down-weighted sharply without changing the gradient's direction.
+    """
+    if alpha < 0:
+        raise ValueError(f"alpha must be >= 0, got {alpha}")
+    if alpha == 0:
+        return clipped_ratio
+    return clipped_ratio * clipped_ratio.detach().pow(alpha)
+
+
+# ---------------------------------------------------------------------------------------
+# §6 the loss
+# ---------------------------------------------------------------------------------------
+def _masked_row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over each row's masked tokens, [B, T] → [B] (0 for an empty row)."""
+    return (x * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
+
+
+def seq_mean_token_mean(loss_mat: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """verl's "seq-mean-token-mean": mean over each row's tokens, then over non-empty rows."""
+    mask = response_mask.to(loss_mat.dtype)
+    tokens = mask.sum(dim=-1)
+    row_loss = (loss_mat * mask).sum(dim=-1) / (tokens + 1e-8)
+    rows = (tokens > 0).to(loss_mat.dtype)
+    return (row_loss * rows).sum() / rows.sum().clamp(min=1)
+
+
+def hacpo_policy_loss_matrix(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    is_cross: torch.Tensor,
+    omega: torch.Tensor,
+    source_log_prob_mean: torch.Tensor,
+    update_index: int,
+    alpha: float = 1.0,
+    delta: float = 0.2,
+    delta_step: float = 0.025,
+    cross_clip: str = "stepwise",
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Per-token HACPO loss ℓ_{i,t}, [B, T], and its metrics (spec §6).
+
+    Own row (GSPO):  ℓ_i = max(−A_i s_i, −A_i clip(s_i, 1−ε_low, 1+ε_high)),
+                     s_i = exp(mean_t(log π_θ − log π_old)) on the learner's own tokens.
+    Cross row:       ℓ_i = −c_i · sg(c_i)^α · ω^(src,k) · A_i,
+                     s_i = exp(mean_t log π_θ − source_log_prob_mean),  c_i = clip(s_i, lower_m, 1).
+    Naive (cross_clip="gspo"): cross rows take the own-row GSPO term with s_i against the
+    source's log-probs, without ω or α.
+
+    Each token carries s_{i,t} = sg(s_i)·π_t/sg(π_t), so averaging a row's tokens gives the
+    sequence-level value and gradient. The caller aggregates (see `seq_mean_token_mean`,
+    or verl's `agg_loss` with its global batch info inside a worker).
+    """
+    if cross_clip not in CROSS_CLIP_MODES:
+        raise ValueError(f"cross_clip must be one of {CROSS_CLIP_MODES}, got {cross_clip!r}")
+    if log_prob.shape != old_log_prob.shape or log_prob.shape != response_mask.shape:
+        raise ValueError(
+            f"log_prob {tuple(log_prob.shape)}, old_log_prob {tuple(old_log_prob.shape)} and "
+            f"response_mask {tuple(response_mask.shape)} must all be [B, T]"
+        )
+    mask = response_mask.to(log_prob.dtype)
+    is_cross = torch.as_tensor(is_cross, device=log_prob.device).to(torch.bool).reshape(-1)
+    omega = torch.as_tensor(omega, device=log_prob.device).to(log_prob.dtype).reshape(-1)
+    source_lp = torch.as_tensor(source_log_prob_mean, device=log_prob.device).to(log_prob.dtype).reshape(-1)
+    adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1).expand_as(log_prob)
+
+    learner_lp_mean = _masked_row_mean(log_prob, mask)  # [B], carries the gradient
+    own_log_ratio = _masked_row_mean(log_prob - old_log_prob, mask)  # [B]
+    cross_log_ratio = learner_lp_mean - source_lp  # [B]
+    seq_log_ratio = torch.where(is_cross, cross_log_ratio, own_log_ratio).detach()
+
+    # s_{i,t}: value s_i, gradient of log π_t (the GSPO-token trick)
+    log_s_tok = (log_prob - log_prob.detach() + seq_log_ratio.unsqueeze(-1)).clamp(max=_LOG_RATIO_MAX)
+    s_tok = torch.exp(log_s_tok)
+
+    gspo_1 = -adv * s_tok
+    gspo_2 = -adv * s_tok.clamp(1 - clip_ratio_low, 1 + clip_ratio_high)
+    gspo_loss = torch.maximum(gspo_1, gspo_2)
+
+    lower = cross_lower_bound(update_index, delta, delta_step, cross_clip)
+    if cross_clip == "gspo":
+        loss = gspo_loss  # Naive: every row is a GSPO row
+    else:
+        c_tok = s_tok.clamp(lower, 1.0) if cross_clip in ("stepwise", "fixed") else s_tok
+        cross_loss = -exponential_is_weight(c_tok, alpha) * omega.unsqueeze(-1) * adv
+        loss = torch.where(is_cross.unsqueeze(-1), cross_loss, gspo_loss)
+
+    metrics = _loss_metrics(
+        gspo_1, gspo_2, mask, is_cross, seq_log_ratio, own_log_ratio, lower, cross_clip
+    )
+    return loss, metrics
+
+
+def _loss_metrics(
+    gspo_1: torch.Tensor,
+    gspo_2: torch.Tensor,
+    mask: torch.Tensor,
+    is_cross: torch.Tensor,
+    seq_log_ratio: torch.Tensor,
+    own_log_ratio: torch.Tensor,
+    lower: float,
+    cross_clip: str,
+) -> dict[str, float]:
+    """Metrics of §6; cross statistics are 0.0 when the batch has no cross row."""
+    with torch.no_grad():
+        own_rows = (~is_cross) & (mask.sum(-1) > 0)
+        cross_rows = is_cross & (mask.sum(-1) > 0)
+        clipped = torch.gt(gspo_2, gspo_1).to(mask.dtype)
+        own_mask = mask * own_rows.unsqueeze(-1)
+        own_tokens = own_mask.sum()
+        own_clipfrac = float((clipped * own_mask).sum() / own_tokens) if own_tokens > 0 else 0.0
+        own_kl = float((-own_log_ratio[own_rows]).mean()) if own_rows.any() else 0.0
+        metrics = {
+            "actor/pg_clipfrac": own_clipfrac,
+            "actor/ppo_kl": own_kl,
+            "hacpo/cross_frac": float(cross_rows.float().mean()) if cross_rows.numel() else 0.0,
+            "hacpo/lower_bound": float(lower),
+        }
+        s = seq_log_ratio[cross_rows].clamp(max=_LOG_RATIO_MAX).exp()
+        has_cross = s.numel() > 0
+        clips_cross = has_cross and cross_clip in ("stepwise", "fixed")
+        metrics.update(
+            {
+                "hacpo/cross_ratio_mean": float(s.mean()) if has_cross else 0.0,
+                "hacpo/cross_ratio_min": float(s.min()) if has_cross else 0.0,
+                "hacpo/cross_ratio_max": float(s.max()) if has_cross else 0.0,
+                "hacpo/cross_clipfrac_low": float((s < lower).float().mean()) if clips_cross else 0.0,
+                "hacpo/cross_clipfrac_high": float((s > 1.0).float().mean()) if clips_cross else 0.0,
+            }
+        )
+    return metrics
+
+
+def compute_hacpo_policy_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    *,
+    is_cross: torch.Tensor,
+    omega: torch.Tensor,
+    source_log_prob_mean: torch.Tensor,
+    update_index: int,
+    alpha: float = 1.0,
+    delta: float = 0.2,
+    delta_step: float = 0.025,
+    cross_clip: str = "stepwise",
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """The HACPO loss of learner k on one mini-batch (spec §6), mean over its sequences.
+
+    Args:
+        log_prob: log π^(k)_θ of the learner's tokens, [B, T] (carries the gradient).
+        old_log_prob: log π^(k)_old, [B, T] (used on own rows).
+        advantages: A^(k)_i from §2, [B, T] constant along a row (or [B]).
+        response_mask: [B, T], 1 on response tokens.
+        is_cross: bool [B], True for rows generated by another agent.
+        omega: ω^(src(i),k), [B] (1 on own rows).
+        source_log_prob_mean: mean log π^(src)_old of the response under its source's own
+            tokenisation, [B] (read on cross rows only).
+        update_index: m, optimizer updates already made in this training step.
+        alpha: α of §4 (0 disables the exponential weighting).
+        delta, delta_step: δ, δ_step of §5.
+        cross_clip: "stepwise" | "fixed" | "none" | "gspo" (Naive baseline).
+        clip_ratio_low, clip_ratio_high: GSPO's ε_low, ε_high for own rows.
+
+    Returns:
+        (scalar loss, metrics). With no cross rows this equals verl's `gspo` policy loss with
+        loss_agg_mode="seq-mean-token-mean", in value and gradient.
+    """
+    loss_mat, metrics = hacpo_policy_loss_matrix(
+        log_prob,
+        old_log_prob,
+        advantages,
+        response_mask,
+        is_cross=is_cross,
+        omega=omega,
+        source_log_prob_mean=source_log_prob_mean,
+        update_index=update_index,
+        alpha=alpha,
+        delta=delta,
+        delta_step=delta_step,
+        cross_clip=cross_clip,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+    )
+    loss = seq_mean_token_mean(loss_mat, response_mask)
+    metrics["actor/pg_loss"] = float(loss.detach())
+    return loss, metrics
