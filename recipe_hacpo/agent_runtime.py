@@ -1,0 +1,177 @@
+"""One agent's verl machinery, behind the few calls the HACPO step makes.
+
+An `AgentRuntime` owns, for one agent: its Ray resource pool, its FSDP actor(/ref) worker
+group (`HacpoActorRolloutRefWorker`), its rollout servers and agent loop (vLLM on GPU, HF on
+CPU — the same verl code path), and its weight-sync manager. The trainer never touches
+verl's worker API directly; every DataProto ↔ TensorDict conversion lives here.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from recipe_hacpo.config import AgentSpec, HacpoSettings
+from verl import DataProto
+from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
+from verl.utils import hf_tokenizer
+from verl.utils import tensordict_utils as tu
+from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.fs import copy_to_local
+from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
+
+
+@dataclass
+class AgentRuntime:
+    spec: AgentSpec
+    config: DictConfig  # the full verl config of this agent (recipe_hacpo.config.agent_verl_config)
+    device_name: str
+
+    # ------------------------------------------------------------------ set-up
+    def build(self, hacpo: HacpoSettings, shared_pool: RayResourcePool | None) -> None:
+        """Start the worker group, the rollout servers and the weight-sync manager."""
+        from recipe_hacpo.workers.hacpo_worker import HacpoActorRolloutRefWorker
+
+        arr = self.config.actor_rollout_ref
+        self.tokenizer = hf_tokenizer(copy_to_local(arr.model.path), trust_remote_code=arr.model.get("trust_remote_code", False))
+        self.use_ref = bool(arr.actor.use_kl_loss)
+        role = "actor_rollout_ref" if self.use_ref else "actor_rollout"
+        self.pool = shared_pool or RayResourcePool(
+            process_on_nodes=[self.spec.n_gpus_per_node] * self.spec.nnodes,
+            use_gpu=True,
+            max_colocate_count=1 if self.device_name == "cpu" else 3,
+            name_prefix=f"hacpo_{self.spec.name}",
+        )
+        worker_cls = RayClassWithInitArgs(
+            cls=ray.remote(HacpoActorRolloutRefWorker),
+            config=arr,
+            role=role,
+            # isolated mode keeps verl's own loss (gspo / vanilla per actor.policy_loss)
+            hacpo_loss=hacpo.loss_kwargs() if hacpo.shares else None,
+        )
+        self.wg = RayWorkerGroup(
+            resource_pool=self.pool,
+            ray_cls_with_init=worker_cls,
+            name_prefix=f"hacpo_{self.spec.name}",
+            device_name=self.device_name,
+        )
+        self.wg.init_model()
+        self._build_rollout()
+
+    def _build_rollout(self) -> None:
+        from verl.checkpoint_engine import CheckpointEngineManager
+        from verl.experimental.agent_loop import AgentLoopManager
+        from verl.workers.rollout.llm_server import LLMServerManager
+
+        self.llm_servers = LLMServerManager.create(
+            config=self.config, worker_group=self.wg, rollout_resource_pool=self.pool
+        )
+        # rewards are computed by the trainer with each agent's own tokenizer (scoring.py)
+        self.agent_loop = AgentLoopManager.create(
+            config=self.config, llm_client=self.llm_servers.get_client(), reward_loop_worker_handles=None
+        )
+        self.checkpoint_manager = CheckpointEngineManager(
+            config=omega_conf_to_dataclass(self.config.actor_rollout_ref.rollout.checkpoint_engine),
+            actor_wg=self.wg,
+            replicas=self.llm_servers.get_replicas(),
+        )
+        self.checkpoint_manager.sleep_replicas()
+
+    # ------------------------------------------------------------------ step phases
+    def generate(self, prompts: DataProto, *, validate: bool = False, step: int = 0) -> DataProto:
+        """Sample `rollout.n` (or `val_kwargs.n`) responses per prompt row; rows stay interleaved."""
+        rollout = self.config.actor_rollout_ref.rollout
+        n = rollout.val_kwargs.n if validate else rollout.n
+        batch = prompts.repeat(repeat_times=n, interleave=True)
+        batch.meta_info.update(
+            {
+                "global_steps": step,
+                "validate": validate,
+                "do_sample": rollout.val_kwargs.do_sample if validate else True,
+                "temperature": rollout.val_kwargs.temperature if validate else rollout.temperature,
+                "recompute_log_prob": False,
+            }
+        )
+        out = self.agent_loop.generate_sequences(batch)
+        self.checkpoint_manager.sleep_replicas()
+        timing = out.meta_info.pop("timing", {})
+        out.meta_info["agent_loop_timing"] = timing
+        if "response_mask" not in out.batch.keys():
+            plen = out.batch["prompts"].shape[-1]
+            out.batch["response_mask"] = out.batch["attention_mask"][:, plen:].clone()
+        # the prompt-side fields the agent loop does not return (uid, ground truth, ...)
+        for key, value in batch.non_tensor_batch.items():
+            out.non_tensor_batch.setdefault(key, value)
+        return out
+
+    def old_log_prob(self, batch: DataProto) -> torch.Tensor:
+        """log π^(k)_old of every response token of `batch` (this agent's tokens), [B, T]."""
+        td = left_right_2_no_padding(batch.to_tensordict())
+        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+        output = self.wg.compute_log_prob(td)
+        return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
+
+    def ref_log_prob(self, batch: DataProto) -> torch.Tensor:
+        """log π^(k)_ref of every response token, [B, T] (for actor.use_kl_loss)."""
+        td = left_right_2_no_padding(batch.to_tensordict())
+        tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
+        output = self.wg.compute_ref_log_prob(td)
+        return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
+
+    def update(self, batch: DataProto, rows_per_prompt: int) -> dict[str, float]:
+        """Mini-batch updates on the learner batch; returns the actor's metrics (means)."""
+        actor = self.config.actor_rollout_ref.actor
+        mini_rows = int(actor.ppo_mini_batch_size) * rows_per_prompt
+        td = left_right_2_no_padding(batch.to_tensordict())
+        tu.assign_non_tensor(
+            td,
+            calculate_entropy=bool(actor.entropy_coeff != 0.0 or actor.get("calculate_entropy", False)),
+            global_batch_size=mini_rows,
+            mini_batch_size=mini_rows,
+            epochs=int(actor.ppo_epochs),
+            seed=int(actor.get("data_loader_seed", 42) or 42),
+            dataloader_kwargs={"shuffle": bool(actor.shuffle)},
+            compute_loss=True,
+            distillation_use_topk=False,
+            distillation_only=False,
+        )
+        output = self.wg.update_actor(td)
+        return _mean_metrics(tu.get(output, "metrics"))
+
+    def sync_weights(self, step: int) -> None:
+        """Push the trained weights to this agent's rollout servers."""
+        self.checkpoint_manager.update_weights(step)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, path: str, step: int) -> None:
+        self.wg.save_checkpoint(os.path.join(path, "actor"), None, step, None)
+
+    def load(self, path: str) -> None:
+        self.wg.load_checkpoint(os.path.join(path, "actor"), None, False)
+
+
+def _mean_metrics(metrics: dict) -> dict[str, float]:
+    out = {}
+    for key, value in metrics.items():
+        values = value if isinstance(value, list) else [value]
+        flat = []
+        for v in values:
+            v = getattr(v, "value", v)
+            if isinstance(v, torch.Tensor):
+                v = v.float().mean().item()
+            try:
+                flat.append(float(v))
+            except (TypeError, ValueError):
+                continue
+        if flat:
+            out[key] = float(np.mean(flat))
+    return out
+
+
+def tensor_dict_config(cfg: DictConfig) -> dict:
+    return OmegaConf.to_container(cfg, resolve=True)

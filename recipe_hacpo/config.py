@@ -1,0 +1,253 @@
+"""The `agents:` list and the `algorithm.hacpo` block: typed views, per-agent verl configs,
+and the one validation pass that rejects a bad configuration before Ray starts.
+
+Every error is one line: the dotted key, the value, the rule, and the fix.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass, field
+
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from recipe_hacpo.core_algos import CROSS_CLIP_MODES
+
+MODES = ("hacpo", "naive", "isolated")
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message is one line naming the key at fault."""
+
+
+@dataclass(frozen=True)
+class HacpoSettings:
+    """Typed `algorithm.hacpo` (see configs/hacpo_trainer.yaml for each key's meaning)."""
+
+    mode: str = "hacpo"
+    capability_baseline: bool = True
+    discrepancy_coefficient: bool = True
+    alpha: float = 1.0
+    cross_clip: str = "stepwise"
+    delta: float = 0.2
+    delta_step: float = 0.025
+    window: int = 5
+    capability_floor: float = 1e-3
+    omega_clip: tuple[float, float] = (0.1, 10.0)
+    norm_by_std: bool = True
+
+    @property
+    def shares(self) -> bool:
+        """Whether learners see each other's rollouts."""
+        return self.mode != "isolated"
+
+    def effective(self) -> "HacpoSettings":
+        """The settings the Naive baseline implies (spec §8); HACPO and isolated unchanged."""
+        if self.mode != "naive":
+            return self
+        return HacpoSettings(
+            mode="naive", capability_baseline=False, discrepancy_coefficient=False, alpha=0.0,
+            cross_clip="gspo", delta=self.delta, delta_step=self.delta_step, window=self.window,
+            capability_floor=self.capability_floor, omega_clip=self.omega_clip, norm_by_std=self.norm_by_std,
+        )
+
+    def loss_kwargs(self) -> dict:
+        """What each actor worker's loss needs (workers.hacpo_loss.HacpoLossConfig)."""
+        eff = self.effective()
+        return {"alpha": eff.alpha, "delta": eff.delta, "delta_step": eff.delta_step, "cross_clip": eff.cross_clip}
+
+
+@dataclass(frozen=True)
+class AgentSpec:
+    """One entry of `agents:`."""
+
+    index: int
+    name: str
+    model_path: str
+    rollout_n: int
+    n_gpus_per_node: int
+    nnodes: int
+    overrides: dict = field(default_factory=dict)
+
+    @property
+    def uses_shared_pool(self) -> bool:
+        return self.n_gpus_per_node == 0
+
+
+def hacpo_settings(cfg: DictConfig) -> HacpoSettings:
+    raw = OmegaConf.to_container(cfg.algorithm.get("hacpo", {}), resolve=True) or {}
+    known = set(HacpoSettings.__dataclass_fields__)
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(
+            f"algorithm.hacpo.{unknown[0]}: unknown key; known keys are {', '.join(sorted(known))}"
+        )
+    if "omega_clip" in raw:
+        raw["omega_clip"] = tuple(float(v) for v in raw["omega_clip"])
+    return HacpoSettings(**raw)
+
+
+def agent_specs(cfg: DictConfig) -> list[AgentSpec]:
+    agents = cfg.get("agents")
+    if agents is None or len(agents) == 0:
+        raise ConfigError("agents: empty; list at least one agent with name and model_path")
+    specs = []
+    for i, a in enumerate(agents):
+        where = f"agents[{i}]"
+        for key in ("name", "model_path"):
+            if OmegaConf.is_missing(a, key) or a.get(key) in (None, ""):
+                raise ConfigError(f"{where}.{key}: missing; every agent needs a {key}")
+        overrides = a.get("actor_rollout_ref") or {}
+        specs.append(
+            AgentSpec(
+                index=i,
+                name=str(a.name),
+                model_path=str(a.model_path),
+                rollout_n=int(a.get("rollout_n", 8)),
+                n_gpus_per_node=int(a.get("n_gpus_per_node", 0)),
+                nnodes=int(a.get("nnodes", 1)),
+                overrides=OmegaConf.to_container(overrides, resolve=True) if OmegaConf.is_config(overrides) else dict(overrides),
+            )
+        )
+    return specs
+
+
+def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSpec], HacpoSettings]:
+    """Reject a configuration that cannot work, before any Ray worker starts."""
+    specs = agent_specs(cfg)
+    hacpo = hacpo_settings(cfg)
+
+    if hacpo.mode not in MODES:
+        raise ConfigError(f"algorithm.hacpo.mode={hacpo.mode!r}: must be one of {', '.join(MODES)}")
+    if hacpo.cross_clip not in CROSS_CLIP_MODES[:3]:
+        raise ConfigError(
+            f"algorithm.hacpo.cross_clip={hacpo.cross_clip!r}: must be stepwise, fixed or none "
+            "(the Naive baseline is algorithm.hacpo.mode=naive)"
+        )
+    if hacpo.alpha < 0:
+        raise ConfigError(f"algorithm.hacpo.alpha={hacpo.alpha}: must be >= 0 (0 turns §4 off)")
+    if not 0 <= hacpo.delta < 1:
+        raise ConfigError(f"algorithm.hacpo.delta={hacpo.delta}: must be in [0, 1) (first lower bound 1 − δ)")
+    if hacpo.delta_step < 0:
+        raise ConfigError(f"algorithm.hacpo.delta_step={hacpo.delta_step}: must be >= 0")
+    if hacpo.window < 1:
+        raise ConfigError(f"algorithm.hacpo.window={hacpo.window}: must be >= 1 (K steps)")
+    if not hacpo.capability_floor > 0:
+        raise ConfigError(f"algorithm.hacpo.capability_floor={hacpo.capability_floor}: must be > 0")
+    lo, hi = hacpo.omega_clip
+    if not 0 < lo <= 1 <= hi:
+        raise ConfigError(f"algorithm.hacpo.omega_clip={[lo, hi]}: must satisfy 0 < ω_min <= 1 <= ω_max")
+
+    names = [s.name for s in specs]
+    for s in specs:
+        if names.count(s.name) > 1:
+            raise ConfigError(f"agents[{s.index}].name={s.name!r}: duplicate agent name; names must be unique")
+        if not s.name.replace("-", "_").replace(".", "_").isidentifier():
+            raise ConfigError(
+                f"agents[{s.index}].name={s.name!r}: use letters, digits, '_', '-' or '.' (it names Ray actors and metrics)"
+            )
+        if s.rollout_n < 1:
+            raise ConfigError(f"agents[{s.index}].rollout_n={s.rollout_n}: must be >= 1")
+        if s.n_gpus_per_node < 0 or s.nnodes < 1:
+            raise ConfigError(
+                f"agents[{s.index}] ({s.name}): n_gpus_per_node={s.n_gpus_per_node}, nnodes={s.nnodes}: "
+                "need n_gpus_per_node >= 0 (0 = shared pool) and nnodes >= 1"
+            )
+        if check_paths and not _model_path_exists(s.model_path):
+            raise ConfigError(
+                f"agents[{s.index}].model_path={s.model_path!r} ({s.name}): not a local directory with config.json "
+                "and not found in the local Hugging Face cache; download it first or fix the path"
+            )
+    if hacpo.shares and len(specs) < 2:
+        raise ConfigError(
+            f"algorithm.hacpo.mode={hacpo.mode}: sharing needs at least 2 agents, got {len(specs)}; "
+            "add an agent or use mode=isolated"
+        )
+
+    _validate_batches(cfg, specs)
+    _validate_pools(cfg, specs)
+    return specs, hacpo
+
+
+def _model_path_exists(path: str) -> bool:
+    if os.path.isdir(path):
+        return os.path.isfile(os.path.join(path, "config.json"))
+    # a hub id is fine only if it is already in the local cache (no download at start-up)
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return isinstance(try_to_load_from_cache(path, "config.json"), str)
+    except Exception:
+        return False
+
+
+def _validate_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
+    batch = int(cfg.data.train_batch_size)
+    for s in specs:
+        actor = _agent_section(cfg, s, "actor")
+        mini = int(actor.ppo_mini_batch_size)
+        if mini < 1 or batch % mini != 0:
+            raise ConfigError(
+                f"agents[{s.index}] ({s.name}): data.train_batch_size={batch} is not divisible by "
+                f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}; pick a mini-batch that divides the batch"
+            )
+        world = max(1, s.n_gpus_per_node * s.nnodes) if not s.uses_shared_pool else _shared_world(cfg)
+        rows_per_mini = mini * _rows_per_prompt(specs, s, cfg)
+        if rows_per_mini % world != 0:
+            raise ConfigError(
+                f"agents[{s.index}] ({s.name}): a mini-batch of {rows_per_mini} rows "
+                f"(ppo_mini_batch_size {mini} × responses per prompt) does not split over its {world} GPUs; "
+                "change ppo_mini_batch_size or rollout_n"
+            )
+
+
+def _rows_per_prompt(specs: list[AgentSpec], learner: AgentSpec, cfg: DictConfig) -> int:
+    if hacpo_settings(cfg).shares:
+        return sum(s.rollout_n for s in specs)
+    return learner.rollout_n
+
+
+def _shared_world(cfg: DictConfig) -> int:
+    return int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes)
+
+
+def _validate_pools(cfg: DictConfig, specs: list[AgentSpec]) -> None:
+    own = sum(s.n_gpus_per_node * s.nnodes for s in specs if not s.uses_shared_pool)
+    shared = _shared_world(cfg) if any(s.uses_shared_pool for s in specs) else 0
+    total = own + shared
+    cluster = _cluster_gpus(cfg)
+    if cluster is not None and total > cluster:
+        detail = ", ".join(f"{s.name}={s.n_gpus_per_node * s.nnodes}" for s in specs if not s.uses_shared_pool)
+        raise ConfigError(
+            f"agents: pools need {total} GPUs ({detail}" + (f", shared={shared}" if shared else "")
+            + f") but the cluster has {cluster}; shrink n_gpus_per_node or set 0 to share trainer.n_gpus_per_node"
+        )
+
+
+def _cluster_gpus(cfg: DictConfig) -> int | None:
+    """GPUs Ray will have: ray_kwargs.ray_init.num_gpus when set (CPU logical GPUs), else None."""
+    value = OmegaConf.select(cfg, "ray_kwargs.ray_init.num_gpus", default=None)
+    return None if value is None else int(value)
+
+
+def _agent_section(cfg: DictConfig, spec: AgentSpec, section: str):
+    merged = OmegaConf.merge(cfg.actor_rollout_ref[section], spec.overrides.get(section, {}))
+    return merged
+
+
+def agent_verl_config(cfg: DictConfig, spec: AgentSpec) -> DictConfig:
+    """The full verl config one agent's workers see: the template with the agent merged in."""
+    agent_cfg = copy.deepcopy(cfg)
+    with open_dict(agent_cfg):
+        agent_cfg.actor_rollout_ref = OmegaConf.merge(agent_cfg.actor_rollout_ref, spec.overrides)
+        arr = agent_cfg.actor_rollout_ref
+        arr.model.path = spec.model_path
+        arr.rollout.n = spec.rollout_n
+        if not spec.uses_shared_pool:
+            agent_cfg.trainer.n_gpus_per_node = spec.n_gpus_per_node
+            agent_cfg.trainer.nnodes = spec.nnodes
+        arr.rollout.custom = OmegaConf.merge(arr.rollout.get("custom") or {}, {"agent_name": spec.name})
+        agent_cfg.trainer.experiment_name = f"{cfg.trainer.experiment_name}/{spec.name}"
+        agent_cfg.pop("agents", None)
+    return agent_cfg

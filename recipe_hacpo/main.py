@@ -1,0 +1,129 @@
+"""`python -m recipe_hacpo.main [--config-name NAME] key=value ...` — train several agents with HACPO.
+
+Order of work: compose and validate the config (agents, pools, batch sizes, data files) —
+all before Ray starts, so a mistake costs seconds — then start Ray, build every agent's
+workers, and run the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import hydra
+from omegaconf import DictConfig, OmegaConf, open_dict
+
+from recipe_hacpo.config import ConfigError, validate
+
+
+def check_data(cfg: DictConfig) -> None:
+    """Fail on a missing, empty or malformed parquet before any worker starts."""
+    from recipe_hacpo.data.schema import validate_file
+
+    files = _as_list(cfg.data.train_files) + (_as_list(cfg.data.val_files) if cfg.data.get("val_files") else [])
+    for path in files:
+        validate_file(path, prompt_key=str(cfg.data.get("prompt_key", "prompt")))
+
+
+def _as_list(files) -> list[str]:
+    if isinstance(files, str):
+        return [files]
+    return [str(f) for f in files]
+
+
+def prepare(cfg: DictConfig):
+    """Everything that can be checked without Ray: returns (specs, hacpo settings)."""
+    from recipe_hacpo.scoring import resolve_reward_path
+
+    specs, hacpo = validate(cfg)
+    check_data(cfg)
+    resolve_reward_path(cfg)
+    return specs, hacpo
+
+
+def start_ray(cfg: DictConfig) -> None:
+    import ray
+    from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
+
+    if ray.is_initialized():
+        return
+    runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(), cfg.ray_kwargs.ray_init.get("runtime_env", {}))
+    env_vars = dict(runtime_env.get("env_vars", {}))
+    # workers must import this package's verl plugins exactly as the driver does
+    env_vars.setdefault("HACPO_DEVICE", str(cfg.trainer.device))
+    runtime_env["env_vars"] = {k: str(v) for k, v in env_vars.items()}
+    init = OmegaConf.to_container(cfg.ray_kwargs.ray_init, resolve=True)
+    init["runtime_env"] = OmegaConf.to_container(runtime_env, resolve=True)
+    init = {k: v for k, v in init.items() if v is not None}
+    ray.init(**init)
+
+
+def build_dataloaders(cfg: DictConfig, tokenizer):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from verl.trainer.ppo.utils import create_rl_dataset, create_rl_sampler
+    from verl.utils.dataset.rl_dataset import collate_fn
+
+    train = create_rl_dataset(cfg.data.train_files, cfg.data, tokenizer, None, max_samples=cfg.data.get("train_max_samples", -1))
+    loader = StatefulDataLoader(
+        dataset=train,
+        batch_size=int(cfg.data.train_batch_size),
+        num_workers=0,
+        drop_last=True,
+        collate_fn=collate_fn,
+        sampler=create_rl_sampler(cfg.data, train),
+    )
+    if len(loader) == 0:
+        raise ConfigError(
+            f"data.train_batch_size={cfg.data.train_batch_size}: larger than the {len(train)} training prompts"
+        )
+    val_loader = None
+    if cfg.data.get("val_files"):
+        val = create_rl_dataset(cfg.data.val_files, cfg.data, tokenizer, None, is_train=False, max_samples=cfg.data.get("val_max_samples", -1))
+        val_loader = StatefulDataLoader(
+            dataset=val,
+            batch_size=int(cfg.data.val_batch_size or len(val)),
+            num_workers=0,
+            shuffle=False,
+            drop_last=False,
+            collate_fn=collate_fn,
+        )
+    steps = len(loader) * int(cfg.trainer.total_epochs)
+    if cfg.trainer.get("total_training_steps"):
+        steps = int(cfg.trainer.total_training_steps)
+    return loader, val_loader, steps
+
+
+def run(cfg: DictConfig) -> dict:
+    """Train; returns the last step's metrics."""
+    from verl.utils import hf_tokenizer
+    from verl.utils.tracking import Tracking
+
+    from recipe_hacpo.trainer import HacpoTrainer
+
+    specs, hacpo = prepare(cfg)
+    # the dataset keeps raw chat messages; each agent renders them with its own template
+    tokenizer = hf_tokenizer(specs[0].model_path)
+    train_loader, val_loader, steps = build_dataloaders(cfg, tokenizer)
+    start_ray(cfg)
+    trainer = HacpoTrainer(cfg, specs, hacpo)
+    trainer.init_workers(train_loader, val_loader, steps)
+    logger = Tracking(
+        project_name=cfg.trainer.project_name,
+        experiment_name=cfg.trainer.experiment_name,
+        default_backend=cfg.trainer.logger,
+        config=OmegaConf.to_container(cfg, resolve=True),
+    )
+    return trainer.fit(logger, progress=bool(cfg.trainer.get("progress_bar", True)))
+
+
+@hydra.main(config_path="pkg://recipe_hacpo.configs", config_name="hacpo_trainer", version_base=None)
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,408 @@
+"""The multi-agent HACPO trainer: one step of spec §7 per batch of prompts.
+
+    HacpoTrainer.fit()          resume, validate, loop over steps, checkpoint
+    HacpoTrainer.train_step()   the phases of one step, each a named method:
+        1 generate        every agent answers every prompt (G_j samples each)
+        2 score           one verifier rewards every response
+        3 old_log_probs   each agent scores its own responses (GSPO term, source term of §4)
+          capabilities    P̂ update with this step's mean rewards (§1)
+        4 exchange        learner batch = own rows + peers' rows re-tokenized for the learner
+          advantages      capability-aware group advantage per learner (§2)
+          update          mini-batch updates with the HACPO loss (§3–§6)
+        5 sync_weights    trained weights to each agent's rollout engine
+
+Agents live in a dict keyed by name: three agents run exactly like two. Agents on their own
+resource pools run a phase concurrently (one thread per agent, each blocking on its own Ray
+workers); agents on the shared pool take turns.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import shutil
+import time
+import uuid
+from contextlib import contextmanager
+from typing import Callable, TypeVar
+
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from recipe_hacpo import batch_keys as K
+from recipe_hacpo.agent_runtime import AgentRuntime
+from recipe_hacpo.config import AgentSpec, HacpoSettings, agent_verl_config
+from recipe_hacpo.core_algos import CapabilityTracker, capability_ratio, compute_hacpo_advantage
+from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
+from recipe_hacpo.scoring import Verifier, attach_rewards, load_reward_fn
+from verl import DataProto
+
+T = TypeVar("T")
+
+STATE_FILE = "hacpo_state.pt"
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+_LEARNER_NON_TENSOR = ("uid", "data_source", "reward_model", "raw_prompt", "extra_info", K.RESPONSE_TEXT)
+
+
+class HacpoTrainer:
+    def __init__(self, config: DictConfig, specs: list[AgentSpec], hacpo: HacpoSettings) -> None:
+        self.config = config
+        self.specs = specs
+        self.hacpo = hacpo
+        self.effective = hacpo.effective()
+        self.device_name = str(config.trainer.device)
+        self.agents: dict[str, AgentRuntime] = {
+            s.name: AgentRuntime(spec=s, config=agent_verl_config(config, s), device_name=self.device_name)
+            for s in specs
+        }
+        self.tracker = CapabilityTracker(
+            len(specs), window=hacpo.window, floor=hacpo.capability_floor, omega_clip=hacpo.omega_clip
+        )
+        self.global_step = 0
+        self.verifier = Verifier(load_reward_fn(config), timeout_s=float(config.trainer.get("reward_timeout_s", 30)))
+        self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(specs)), thread_name_prefix="hacpo-agent")
+
+    # ================================================================== set-up
+    def init_workers(self, train_dataloader, val_dataloader, total_steps: int) -> None:
+        self.train_dataloader = train_dataloader
+        self.val_dataloader = val_dataloader
+        self.total_steps = total_steps
+        shared = self._shared_pool()
+        # verl sizes each agent's LR schedule from this key
+        for agent in self.agents.values():
+            OmegaConf.update(agent.config, "actor_rollout_ref.actor.optim.total_training_steps", total_steps, force_add=True)
+            agent.build(self.hacpo, shared if agent.spec.uses_shared_pool else None)
+        self.exchanges = self._build_exchanges()
+
+    def _shared_pool(self):
+        if not any(s.uses_shared_pool for s in self.specs):
+            return None
+        from verl.single_controller.ray import RayResourcePool
+
+        t = self.config.trainer
+        # several agents' workers are placed on the same bundles and take turns
+        return RayResourcePool(
+            process_on_nodes=[int(t.n_gpus_per_node)] * int(t.nnodes),
+            use_gpu=True,
+            max_colocate_count=sum(s.uses_shared_pool for s in self.specs) + 1,
+            name_prefix="hacpo_shared",
+        )
+
+    def _build_exchanges(self) -> dict[tuple[str, str], RolloutExchange]:
+        """One converter per (source, learner) pair; its widths are the learner's rollout limits."""
+        out = {}
+        for learner in self.agents.values():
+            rollout = learner.config.actor_rollout_ref.rollout
+            for source in self.agents.values():
+                out[(source.spec.name, learner.spec.name)] = RolloutExchange(
+                    source.tokenizer,
+                    learner.tokenizer,
+                    max_prompt_length=int(rollout.prompt_length),
+                    max_response_length=int(rollout.response_length),
+                    chat_template_kwargs=OmegaConf.to_container(self.config.data.get("apply_chat_template_kwargs") or {}),
+                )
+        return out
+
+    def _each(self, fn: Callable[[AgentRuntime], T]) -> dict[str, T]:
+        """Run `fn` for every agent: concurrently across own pools, in turn on the shared pool."""
+        own = {n: a for n, a in self.agents.items() if not a.spec.uses_shared_pool}
+        futures = {n: self._pool.submit(fn, a) for n, a in own.items()}
+        results = {n: fn(a) for n, a in self.agents.items() if a.spec.uses_shared_pool}
+        for name, fut in futures.items():
+            try:
+                results[name] = fut.result()
+            except Exception as exc:
+                raise RuntimeError(f"agent {name!r}: {type(exc).__name__}: {exc}") from exc
+        return {n: results[n] for n in self.agents}
+
+    # ================================================================== one step (spec §7)
+    def train_step(self, batch_dict: dict) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        timing: dict[str, float] = {}
+        prompts = self._prompt_batch(batch_dict)
+        with _timer("gen", timing):
+            rollouts = self.generate(prompts)
+        with _timer("reward", timing):
+            self.score(rollouts, metrics)
+        with _timer("old_log_prob", timing):
+            self.old_log_probs(rollouts)
+        self.update_capabilities(rollouts, metrics)
+        with _timer("exchange", timing):
+            batches = self.exchange(rollouts, metrics)
+        with _timer("adv", timing):
+            self.advantages(batches, metrics)
+        if any(a.use_ref for a in self.agents.values()):
+            with _timer("ref", timing):
+                self.ref_log_probs(batches)
+        with _timer("update_actor", timing):
+            self.update(batches, metrics)
+        with _timer("update_weights", timing):
+            self.sync_weights()
+        metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+        return metrics
+
+    def _prompt_batch(self, batch_dict: dict) -> DataProto:
+        prompts = DataProto.from_single_dict(batch_dict)
+        # one uid per prompt: a group is every agent's answers to it (spec §2)
+        prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
+        return prompts
+
+    # ------------------------------------------------------------------ 1 generate
+    def generate(self, prompts: DataProto) -> dict[str, DataProto]:
+        return self._each(lambda a: a.generate(prompts, step=self.global_step))
+
+    # ------------------------------------------------------------------ 2 score
+    def score(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
+        for name, batch in rollouts.items():
+            outcome = self.verifier.score(batch, self.agents[name].tokenizer)
+            attach_rewards(batch, outcome)
+            prefix = f"agent/{name}"
+            metrics[f"{prefix}/reward/mean"] = float(outcome.rewards.mean())
+            metrics[f"{prefix}/reward/errors"] = float(outcome.errors)
+            metrics[f"{prefix}/reward/timeouts"] = float(outcome.timeouts)
+            metrics[f"{prefix}/reward/nonfinite"] = float(outcome.nonfinite)
+            metrics[f"{prefix}/response_length/mean"] = float(batch.batch["response_mask"].sum(-1).float().mean())
+
+    # ------------------------------------------------------------------ 3 old log-probs
+    def old_log_probs(self, rollouts: dict[str, DataProto]) -> None:
+        old = self._each(lambda a: a.old_log_prob(rollouts[a.spec.name]))
+        for name, batch in rollouts.items():
+            lp = old[name]
+            if not torch.isfinite(lp[batch.batch["response_mask"].bool()]).all():
+                raise FloatingPointError(f"agent {name!r}: non-finite old log-probs; stopping before any update")
+            batch.batch["old_log_probs"] = lp
+            batch.batch[K.SOURCE_LOG_PROB_MEAN] = mean_log_prob_per_response(lp, batch.batch["response_mask"])
+
+    def update_capabilities(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
+        self.tracker.update([float(rollouts[s.name].batch[K.REWARD].mean()) for s in self.specs])
+        caps = self.tracker.capabilities()
+        for s in self.specs:
+            metrics[f"agent/{s.name}/capability"] = float(caps[s.index])
+
+    # ------------------------------------------------------------------ 4 exchange
+    def exchange(self, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
+        """Learner batches: own rows, then (when sharing) every peer's rows in its tokenization."""
+        caps = self.tracker.capabilities()
+        batches = {}
+        for learner in self.specs:
+            parts = [_tag(rollouts[learner.name], source=learner.index, cross=False, omega=1.0)]
+            if self.hacpo.shares:
+                for src in self.specs:
+                    if src.name == learner.name:
+                        continue
+                    converted = self.exchanges[(src.name, learner.name)].convert(rollouts[src.name])
+                    omega = capability_ratio(caps, src.index, learner.index, self.hacpo.omega_clip)
+                    if not self.effective.discrepancy_coefficient:
+                        omega = 1.0
+                    parts.append(_tag(converted, source=src.index, cross=True, omega=omega))
+                    metrics[f"agent/{learner.name}/omega/{src.name}"] = omega
+            batch = _concat_rows(parts)
+            metrics[f"agent/{learner.name}/cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
+            batches[learner.name] = batch
+        return batches
+
+    def advantages(self, batches: dict[str, DataProto], metrics: dict) -> None:
+        caps = self.tracker.capabilities()
+        for learner in self.specs:
+            batch = batches[learner.name]
+            adv = compute_hacpo_advantage(
+                batch.batch[K.REWARD],
+                batch.non_tensor_batch["uid"],
+                batch.batch[K.SOURCE],
+                learner.index,
+                caps,
+                use_capability_baseline=self.effective.capability_baseline,
+                norm_by_std=self.hacpo.norm_by_std,
+                omega_clip=self.hacpo.omega_clip,
+            )
+            mask = batch.batch["response_mask"]
+            batch.batch["advantages"] = adv.float().unsqueeze(-1) * mask
+            batch.batch["returns"] = batch.batch["advantages"]
+            metrics[f"agent/{learner.name}/advantage/mean"] = float(adv.mean())
+            metrics[f"agent/{learner.name}/advantage/abs_mean"] = float(adv.abs().mean())
+
+    def ref_log_probs(self, batches: dict[str, DataProto]) -> None:
+        ref = self._each(lambda a: a.ref_log_prob(batches[a.spec.name]) if a.use_ref else None)
+        for name, lp in ref.items():
+            if lp is not None:
+                batches[name].batch["ref_log_prob"] = lp
+
+    def update(self, batches: dict[str, DataProto], metrics: dict) -> None:
+        def rows_per_prompt(spec: AgentSpec) -> int:
+            return sum(s.rollout_n for s in self.specs) if self.hacpo.shares else spec.rollout_n
+
+        out = self._each(lambda a: a.update(batches[a.spec.name], rows_per_prompt(a.spec)))
+        for name, agent_metrics in out.items():
+            for key, value in agent_metrics.items():
+                if not np.isfinite(value) and key.endswith("loss"):
+                    raise FloatingPointError(f"agent {name!r}: {key} is {value}")
+                metrics[f"agent/{name}/{key}"] = value
+
+    # ------------------------------------------------------------------ 5 sync
+    def sync_weights(self) -> None:
+        self._each(lambda a: a.sync_weights(self.global_step))
+
+    # ================================================================== validation
+    def validate(self) -> dict[str, float]:
+        """mean@k per agent and data source over the validation set (k = rollout.val_kwargs.n)."""
+        if self.val_dataloader is None:
+            return {}
+        sums: dict[str, dict[str, list[float]]] = {n: {} for n in self.agents}
+        for batch_dict in self.val_dataloader:
+            prompts = DataProto.from_single_dict(batch_dict)
+            prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
+            outputs = self._each(lambda a: a.generate(prompts, validate=True, step=self.global_step))
+            for name, out in outputs.items():
+                outcome = self.verifier.score(out, self.agents[name].tokenizer)
+                for src, r in zip(out.non_tensor_batch["data_source"], outcome.rewards.tolist()):
+                    sums[name].setdefault(str(src), []).append(r)
+        metrics = {}
+        for name, per_source in sums.items():
+            k = int(self.agents[name].config.actor_rollout_ref.rollout.val_kwargs.n)
+            for src, values in per_source.items():
+                metrics[f"agent/{name}/val/{src}/mean@{k}"] = float(np.mean(values))
+        return metrics
+
+    # ================================================================== checkpoints
+    @property
+    def checkpoint_root(self) -> str:
+        return str(self.config.trainer.default_local_dir)
+
+    def save_checkpoint(self) -> str:
+        """Write every agent and the trainer state to a temp dir, then publish it atomically."""
+        final = os.path.join(self.checkpoint_root, f"global_step_{self.global_step}")
+        tmp = final + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp, exist_ok=True)
+        for name, agent in self.agents.items():
+            agent.save(os.path.join(tmp, name), self.global_step)
+        state = {
+            "global_step": self.global_step,
+            "tracker": self.tracker.state_dict(),
+            "dataloader": self.train_dataloader.state_dict(),
+            "agents": [s.name for s in self.specs],
+            "torch_rng": torch.get_rng_state(),
+            "numpy_rng": np.random.get_state(),
+        }
+        torch.save(state, os.path.join(tmp, STATE_FILE))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _atomic_write(os.path.join(self.checkpoint_root, LATEST_FILE), str(self.global_step))
+        return final
+
+    def load_checkpoint(self) -> bool:
+        """Resume from the latest complete checkpoint, if `trainer.resume_mode` allows."""
+        mode = str(self.config.trainer.resume_mode)
+        if mode == "disable":
+            return False
+        if mode == "resume_path":
+            path = str(self.config.trainer.resume_from_path)
+        else:
+            latest = os.path.join(self.checkpoint_root, LATEST_FILE)
+            if not os.path.isfile(latest):
+                return False
+            path = os.path.join(self.checkpoint_root, f"global_step_{int(open(latest).read().strip())}")
+        state_file = os.path.join(path, STATE_FILE)
+        if not os.path.isfile(state_file):
+            raise FileNotFoundError(f"checkpoint {path}: {STATE_FILE} missing; not a complete HACPO checkpoint")
+        state = torch.load(state_file, weights_only=False)
+        names = [s.name for s in self.specs]
+        if state["agents"] != names:
+            raise ValueError(f"checkpoint {path}: agents {state['agents']} differ from this run's {names}")
+        for name, agent in self.agents.items():
+            agent.load(os.path.join(path, name))
+        self.tracker.load_state_dict(state["tracker"])
+        self.train_dataloader.load_state_dict(state["dataloader"])
+        torch.set_rng_state(state["torch_rng"])
+        np.random.set_state(state["numpy_rng"])
+        self.global_step = int(state["global_step"])
+        return True
+
+    # ================================================================== the loop
+    def fit(self, logger, progress: bool = True) -> dict[str, float]:
+        from tqdm import tqdm
+
+        t = self.config.trainer
+        resumed = self.load_checkpoint()
+        self.sync_weights()
+        if t.get("val_before_train", True) and not resumed:
+            logger.log(data=self.validate(), step=self.global_step)
+        last: dict[str, float] = {}
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="HACPO", disable=not progress)
+        while self.global_step < self.total_steps:
+            for batch_dict in self.train_dataloader:
+                self.global_step += 1
+                start = time.perf_counter()
+                metrics = self.train_step(batch_dict)
+                metrics["timing_s/step"] = time.perf_counter() - start
+                metrics["training/global_step"] = self.global_step
+                done = self.global_step >= self.total_steps
+                if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or done):
+                    metrics.update(self.validate())
+                if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or done):
+                    self.save_checkpoint()
+                logger.log(data=metrics, step=self.global_step)
+                last = metrics
+                bar.update(1)
+                if done:
+                    break
+        bar.close()
+        self.verifier.close()
+        return last
+
+
+def _tag(batch: DataProto, *, source: int, cross: bool, omega: float) -> DataProto:
+    """Attach the per-row HACPO fields to one agent's rows, as seen by one learner."""
+    b = len(batch)
+    batch.batch[K.SOURCE] = torch.full((b,), source, dtype=torch.long)
+    batch.batch[K.IS_CROSS] = torch.full((b,), cross, dtype=torch.bool)
+    batch.batch[K.OMEGA] = torch.full((b,), omega, dtype=torch.float32)
+    if cross or "old_log_probs" not in batch.batch.keys():
+        # cross rows use the source's mean log-prob (§4), never the learner's old log-probs
+        batch.batch["old_log_probs"] = torch.zeros(batch.batch["responses"].shape, dtype=torch.float32)
+    return batch
+
+
+_LEARNER_TENSORS = (
+    "prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
+    "old_log_probs", K.REWARD, K.SOURCE, K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN,
+)
+
+
+def _concat_rows(parts: list[DataProto]) -> DataProto:
+    """Concatenate own and cross rows on the keys a learner trains on."""
+    trimmed = []
+    for p in parts:
+        tensors = {k: p.batch[k] for k in _LEARNER_TENSORS}
+        non_tensors = {k: p.non_tensor_batch[k] for k in _LEARNER_NON_TENSOR if k in p.non_tensor_batch}
+        trimmed.append(DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(parts[0].meta_info)))
+    keys = set.intersection(*(set(t.non_tensor_batch) for t in trimmed))
+    for t in trimmed:
+        for k in list(t.non_tensor_batch):
+            if k not in keys:
+                t.non_tensor_batch.pop(k)
+    return DataProto.concat(trimmed)
+
+
+@contextmanager
+def _timer(name: str, timing: dict):
+    start = time.perf_counter()
+    yield
+    timing[name] = time.perf_counter() - start
+
+
+def _atomic_write(path: str, text: str) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def checkpoint_summary(path: str) -> dict:
+    """What a checkpoint holds (for tests and humans)."""
+    state = torch.load(os.path.join(path, STATE_FILE), weights_only=False)
+    return {"global_step": state["global_step"], "agents": state["agents"], "tracker": json.loads(json.dumps(state["tracker"]))}

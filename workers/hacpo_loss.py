@@ -1,0 +1,122 @@
+"""The HACPO loss as the loss function verl's engine workers call (`set_loss_fn`).
+
+verl's policy-loss registry passes only (old_log_prob, log_prob, advantages, response_mask,
+loss_agg_mode, config, rollout_is_weights), which cannot carry HACPO's per-row fields, so
+the loss is installed as the worker's whole loss function instead. It reads from the
+micro-batch TensorDict:
+
+    tensors      old_log_probs, advantages, response_mask, [ref_log_prob],
+                 hacpo_is_cross, hacpo_omega, hacpo_source_log_prob_mean      (batch_keys)
+    non-tensors  hacpo_update_index (set per mini-batch by `HacpoTrainingWorker`),
+                 dp_size, batch_num_tokens, global_batch_size (set by verl)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from tensordict import TensorDict
+
+from recipe_hacpo import batch_keys as K
+from recipe_hacpo.core_algos import CROSS_CLIP_MODES, hacpo_policy_loss_matrix
+
+
+@dataclass(frozen=True)
+class HacpoLossConfig:
+    """The loss-side keys of `algorithm.hacpo` (spec §4–§6), shipped to every actor worker."""
+
+    alpha: float = 1.0  # α of §4; 0 turns exponential importance sampling off
+    delta: float = 0.2  # δ of §5; the first cross lower bound is 1 − δ
+    delta_step: float = 0.025  # δ_step of §5; 0 is the "fixed" ablation
+    cross_clip: str = "stepwise"  # stepwise | fixed | none | gspo (Naive baseline)
+
+    def __post_init__(self) -> None:
+        if self.cross_clip not in CROSS_CLIP_MODES:
+            raise ValueError(f"algorithm.hacpo cross_clip must be one of {CROSS_CLIP_MODES}, got {self.cross_clip!r}")
+        if self.alpha < 0:
+            raise ValueError(f"algorithm.hacpo.alpha must be >= 0, got {self.alpha}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def hacpo_actor_loss(actor_config, hacpo: HacpoLossConfig, model_output, data: TensorDict, dp_group=None):
+    """Loss of one micro-batch for verl's FSDP engine: HACPO policy term (+ entropy, + KL).
+
+    Aggregated with verl's `agg_loss` and the global batch info verl attaches, so gradient
+    accumulation over micro-batches and data-parallel ranks gives the mini-batch mean.
+    """
+    from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.metric import AggregationType, Metric
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    entropy = model_output.get("entropy", None)
+    if entropy is not None:
+        entropy = no_padding_2_padding(entropy, data)
+
+    batch_info = {
+        "dp_size": data["dp_size"],
+        "batch_num_tokens": data["batch_num_tokens"],
+        "global_batch_size": data["global_batch_size"],
+        "loss_scale_factor": actor_config.loss_scale_factor,
+    }
+    # partial micro-batch losses add up to the mini-batch mean, so their metric is a SUM
+    summed = batch_info["dp_size"] > 1 or batch_info["global_batch_size"] is not None
+    aggregation = AggregationType.SUM if summed else AggregationType.MEAN
+    update_index = int(tu.get_non_tensor_data(data=data, key=K.UPDATE_INDEX, default=0))
+
+    fields = ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN]
+    if actor_config.use_kl_loss:
+        fields.append("ref_log_prob")
+    padded = data.select(*fields).to_padded_tensor()
+    response_mask = padded["response_mask"].to(bool)
+
+    loss_mat, pg_metrics = hacpo_policy_loss_matrix(
+        log_prob,
+        padded["old_log_probs"],
+        padded["advantages"],
+        response_mask,
+        is_cross=padded[K.IS_CROSS],
+        omega=padded[K.OMEGA],
+        source_log_prob_mean=padded[K.SOURCE_LOG_PROB_MEAN],
+        update_index=update_index,
+        alpha=hacpo.alpha,
+        delta=hacpo.delta,
+        delta_step=hacpo.delta_step,
+        cross_clip=hacpo.cross_clip,
+        clip_ratio_low=_clip(actor_config, "low"),
+        clip_ratio_high=_clip(actor_config, "high"),
+    )
+    # HACPO is defined with seq-mean-token-mean (spec §6) whatever actor.loss_agg_mode says.
+    pg_loss = agg_loss(loss_mat, response_mask, "seq-mean-token-mean", **batch_info)
+    metrics = Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN)
+    metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=aggregation)
+    total = pg_loss
+
+    if entropy is not None:
+        entropy_loss = agg_loss(entropy, response_mask, "seq-mean-token-mean", **batch_info)
+        total = total - actor_config.entropy_coeff * entropy_loss
+        metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=aggregation)
+
+    if actor_config.use_kl_loss:
+        kld = kl_penalty(logprob=log_prob, ref_logprob=padded["ref_log_prob"], kl_penalty=actor_config.kl_loss_type)
+        kl_loss = agg_loss(kld, response_mask, "seq-mean-token-mean", **batch_info)
+        total = total + actor_config.kl_loss_coef * kl_loss
+        metrics["actor/kl_loss"] = Metric(value=kl_loss, aggregation=aggregation)
+        metrics["actor/kl_coef"] = actor_config.kl_loss_coef
+
+    if not torch.isfinite(total):
+        # A NaN loss would poison the optimizer state for every later step; fail loudly here.
+        raise FloatingPointError(
+            f"HACPO loss is not finite (pg_loss={float(pg_loss)}, update m={update_index}); "
+            "check rewards and log-probs of this batch"
+        )
+    return total, metrics
+
+
+def _clip(actor_config, side: str) -> float:
+    value = getattr(actor_config, f"clip_ratio_{side}")
+    return float(actor_config.clip_ratio if value is None else value)
