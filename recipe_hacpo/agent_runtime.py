@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import ray
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from recipe_hacpo.config import AgentSpec, HacpoSettings
 from verl import DataProto
@@ -38,7 +38,9 @@ class AgentRuntime:
         from recipe_hacpo.workers.hacpo_worker import HacpoActorRolloutRefWorker
 
         arr = self.config.actor_rollout_ref
-        self.tokenizer = hf_tokenizer(copy_to_local(arr.model.path), trust_remote_code=arr.model.get("trust_remote_code", False))
+        local_path = copy_to_local(arr.model.path)
+        self.tokenizer = hf_tokenizer(local_path, trust_remote_code=arr.model.get("trust_remote_code", False))
+        self.eos_token_ids = _eos_token_ids(local_path, self.tokenizer)
         self.use_ref = bool(arr.actor.use_kl_loss)
         role = "actor_rollout_ref" if self.use_ref else "actor_rollout"
         self.pool = shared_pool or RayResourcePool(
@@ -81,6 +83,7 @@ class AgentRuntime:
             replicas=self.llm_servers.get_replicas(),
         )
         self.checkpoint_manager.sleep_replicas()
+        self._rollout_awake = False
 
     # ------------------------------------------------------------------ step phases
     def generate(self, prompts: DataProto, *, validate: bool = False, step: int = 0) -> DataProto:
@@ -97,10 +100,18 @@ class AgentRuntime:
                 "recompute_log_prob": False,
             }
         )
+        if not self._rollout_awake:
+            # a sleeping replica has dropped its weights: waking it means syncing them again
+            self.sync_weights(step)
         out = self.agent_loop.generate_sequences(batch)
-        self.checkpoint_manager.sleep_replicas()
+        if not validate:
+            # free the rollout's memory for the training phases that follow
+            self.checkpoint_manager.sleep_replicas()
+            self._rollout_awake = False
         timing = out.meta_info.pop("timing", {})
         out.meta_info["agent_loop_timing"] = timing
+        # log-probs are computed at the sampling temperature (verl reads it from meta_info)
+        out.meta_info["temperature"] = batch.meta_info["temperature"]
         if "response_mask" not in out.batch.keys():
             plen = out.batch["prompts"].shape[-1]
             out.batch["response_mask"] = out.batch["attention_mask"][:, plen:].clone()
@@ -146,6 +157,7 @@ class AgentRuntime:
     def sync_weights(self, step: int) -> None:
         """Push the trained weights to this agent's rollout servers."""
         self.checkpoint_manager.update_weights(step)
+        self._rollout_awake = True
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str, step: int) -> None:
@@ -153,6 +165,19 @@ class AgentRuntime:
 
     def load(self, path: str) -> None:
         self.wg.load_checkpoint(os.path.join(path, "actor"), None, False)
+
+
+def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:
+    """Every id that ends a response: the tokenizer's EOS and the generation config's list."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return sorted(ids)
 
 
 def _mean_metrics(metrics: dict) -> dict[str, float]:
@@ -172,6 +197,3 @@ def _mean_metrics(metrics: dict) -> dict[str, float]:
             out[key] = float(np.mean(flat))
     return out
 
-
-def tensor_dict_config(cfg: DictConfig) -> dict:
-    return OmegaConf.to_container(cfg, resolve=True)

@@ -141,7 +141,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
 
     names = [s.name for s in specs]
     for s in specs:
-        if names.count(s.name) > 1:
+        if s.name in names[: s.index]:
             raise ConfigError(f"agents[{s.index}].name={s.name!r}: duplicate agent name; names must be unique")
         if not s.name.replace("-", "_").replace(".", "_").isidentifier():
             raise ConfigError(

@@ -118,10 +118,12 @@ def run(cfg: DictConfig) -> dict:
 
 @hydra.main(config_path="pkg://recipe_hacpo.configs", config_name="hacpo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
+    from recipe_hacpo.data.schema import DataFormatError
+
     try:
         run(cfg)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
+    except (ConfigError, DataFormatError) as err:
+        print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
 
 

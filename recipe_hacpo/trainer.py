@@ -93,15 +93,18 @@ class HacpoTrainer:
     def _build_exchanges(self) -> dict[tuple[str, str], RolloutExchange]:
         """One converter per (source, learner) pair; its widths are the learner's rollout limits."""
         out = {}
+        template_kwargs = self.config.data.get("apply_chat_template_kwargs")
+        template_kwargs = OmegaConf.to_container(template_kwargs, resolve=True) if template_kwargs else {}
         for learner in self.agents.values():
             rollout = learner.config.actor_rollout_ref.rollout
             for source in self.agents.values():
                 out[(source.spec.name, learner.spec.name)] = RolloutExchange(
                     source.tokenizer,
                     learner.tokenizer,
+                    source_eos_ids=source.eos_token_ids,
                     max_prompt_length=int(rollout.prompt_length),
                     max_response_length=int(rollout.response_length),
-                    chat_template_kwargs=OmegaConf.to_container(self.config.data.get("apply_chat_template_kwargs") or {}),
+                    chat_template_kwargs=template_kwargs,
                 )
         return out
 
@@ -233,12 +236,26 @@ class HacpoTrainer:
         def rows_per_prompt(spec: AgentSpec) -> int:
             return sum(s.rollout_n for s in self.specs) if self.hacpo.shares else spec.rollout_n
 
+        self._dump_learner_batches(batches)
         out = self._each(lambda a: a.update(batches[a.spec.name], rows_per_prompt(a.spec)))
         for name, agent_metrics in out.items():
             for key, value in agent_metrics.items():
                 if not np.isfinite(value) and key.endswith("loss"):
                     raise FloatingPointError(f"agent {name!r}: {key} is {value}")
-                metrics[f"agent/{name}/{key}"] = value
+                # verl's worker reports loss, grad_norm, lr, perf/... bare; group them under actor/
+                group = key if key.startswith(("actor/", "hacpo/")) else f"actor/{key}"
+                metrics[f"agent/{name}/{group}"] = value
+
+    def _dump_learner_batches(self, batches: dict[str, DataProto]) -> None:
+        """With `trainer.learner_batch_dir` set, keep the exact batch each learner trains on."""
+        root = self.config.trainer.get("learner_batch_dir")
+        if not root:
+            return
+        step_dir = os.path.join(str(root), f"step_{self.global_step}")
+        os.makedirs(step_dir, exist_ok=True)
+        for name, batch in batches.items():
+            batch.save_to_disk(os.path.join(step_dir, f"{name}.pkl"))
+        torch.save(self.tracker.state_dict(), os.path.join(step_dir, "tracker.pt"))
 
     # ------------------------------------------------------------------ 5 sync
     def sync_weights(self) -> None:

@@ -1,0 +1,307 @@
+"""Tiny heterogeneous agents built offline, saved as Hugging Face checkpoint directories.
+
+Each agent is a directory that verl loads through `actor_rollout_ref.model.path`
+(`AutoConfig` / `AutoTokenizer` / `AutoModelForCausalLM` / `GenerationConfig`
+`.from_pretrained(dir)`). Nothing is downloaded: tokenizers are assembled with the
+`tokenizers` library and models are random-initialised from a seed.
+
+Two genuinely different tokenizers exist so that cross-tokenizer exchange is exercised:
+
+- "char": one token per ASCII character (byte-level, no merges), ChatML chat template
+  (`<|im_start|>role\n...<|im_end|>`) with `<|im_end|>` as EOS, as in Qwen2;
+- "pair": digit runs grouped in pairs (`0123` -> `01`, `23`), every other character its byte
+  token(s), Llama-3-style chat template (`<|start_header_id|>role<|end_header_id|>`) with
+  `<|eot_id|>` as EOS.
+
+Both are byte-level and lossless on NFC text, so any text one of them decodes the other
+encodes back exactly; their special-token strings and ids differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import shutil
+import string
+import tempfile
+from typing import Sequence
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+SPEC_FILE = "hacpo_tiny_agent.json"
+"""Marker written last into an agent directory; its content decides whether a rebuild is needed."""
+
+_SPEC_VERSION = 2
+"""Bump when the builders change in a way that makes old directories stale."""
+
+MAX_POSITIONS = 2048
+
+# ---------------------------------------------------------------------------------------
+# tokenizers
+# ---------------------------------------------------------------------------------------
+
+# Qwen2's pre-tokenisation split: letters runs, single digits, punctuation runs, whitespace.
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+# ChatML like Qwen2 (verl picks its Qwen continuous-token builder for model_type "qwen2",
+# which looks up `<|im_end|>`); bos exists but the template does not render it, as in Qwen.
+CHAR_SPECIALS = {
+    "unk": "<|unk|>",
+    "pad": "<|endoftext|>",
+    "bos": "<|bos|>",
+    "eos": "<|im_end|>",
+    "extra": ["<|im_start|>"],
+}
+
+CHAR_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+PAIR_SPECIALS = {
+    "unk": "<|unk|>",
+    "pad": "<|finetune_pad|>",
+    "bos": "<|begin_of_text|>",
+    "eos": "<|eot_id|>",
+    "extra": ["<|start_header_id|>", "<|end_header_id|>"],
+}
+
+PAIR_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "<|start_header_id|>{{ message['role'] }}<|end_header_id|>\n\n{{ message['content'] }}<|eot_id|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+def _special_list(specials: dict) -> list[str]:
+    """Special tokens in id order (they occupy the first ids of the vocabulary)."""
+    return [specials["unk"], specials["pad"], specials["bos"], specials["eos"], *specials["extra"]]
+
+
+def _wrap(tok: Tokenizer, specials: dict, chat_template: str) -> PreTrainedTokenizerFast:
+    """Wrap a raw `tokenizers.Tokenizer` with its special tokens and chat template.
+
+    `clean_up_tokenization_spaces=False` matters: the default clean-up rewrites " ." to "."
+    on decode, which would break exact text round trips.
+    """
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token=specials["unk"],
+        pad_token=specials["pad"],
+        bos_token=specials["bos"],
+        eos_token=specials["eos"],
+        additional_special_tokens=list(specials["extra"]),
+        chat_template=chat_template,
+        clean_up_tokenization_spaces=False,
+        model_max_length=MAX_POSITIONS,
+    )
+
+
+def _byte_level_bpe(specials: dict, split_pattern: str, merges: Sequence[tuple[str, str]] = ()) -> Tokenizer:
+    """Byte-level BPE over the 256 byte symbols, plus `merges`; lossless for any UTF-8 text.
+
+    The split regex isolates the pieces BPE may merge inside, so it alone fixes where tokens
+    can span several characters. Special tokens take the first ids.
+    """
+    ordered = _special_list(specials) + sorted(pre_tokenizers.ByteLevel.alphabet())
+    ordered += ["".join(m) for m in merges]
+    vocab = {t: i for i, t in enumerate(ordered)}
+    tok = Tokenizer(
+        models.BPE(vocab=vocab, merges=list(merges), continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False)
+    )
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split_pattern), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(_special_list(specials))
+    return tok
+
+
+def build_char_tokenizer() -> PreTrainedTokenizerFast:
+    """Character-level tokenizer: one id per ASCII character (byte-level BPE without merges).
+
+    Digits, operators, letters and LaTeX punctuation are one token each; any other text still
+    round-trips exactly as several byte tokens, so nothing is ever unknown.
+
+    Laid out exactly like Qwen2's pipeline (NFC, Qwen split regex, ByteLevel, BPE):
+    `AutoTokenizer` forces `Qwen2Tokenizer` for `model_type == "qwen2"` and rebuilds that
+    pipeline around the saved vocabulary, so any other layout would change after a reload.
+    """
+    return _wrap(_byte_level_bpe(CHAR_SPECIALS, QWEN2_SPLIT_REGEX), CHAR_SPECIALS, CHAR_CHAT_TEMPLATE)
+
+
+def build_pair_tokenizer() -> PreTrainedTokenizerFast:
+    """Digit-pair tokenizer: digit runs split left to right into pairs (`0123` -> `01`,`23`,
+    `012` -> `01`,`2`); every other character is its byte token(s). Also lossless."""
+    pairs = [(a, b) for a in string.digits for b in string.digits]
+    tok = _byte_level_bpe(PAIR_SPECIALS, r"[0-9][0-9]|[\s\S]", merges=pairs)
+    return _wrap(tok, PAIR_SPECIALS, PAIR_CHAT_TEMPLATE)
+
+
+TOKENIZER_BUILDERS = {"char": build_char_tokenizer, "pair": build_pair_tokenizer}
+
+# ---------------------------------------------------------------------------------------
+# models
+# ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentSpec:
+    """Everything that defines a tiny agent; serialised into `SPEC_FILE`."""
+
+    arch: str  # "qwen2" | "llama"
+    tokenizer: str  # key of TOKENIZER_BUILDERS
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+
+
+AGENT_KINDS: dict[str, AgentSpec] = {
+    # Small Qwen-like models tie embeddings (as Qwen2.5-0.5B does); the Llama-like one does not.
+    "qwen2-char-small": AgentSpec("qwen2", "char", 64, 2, 4, 2, 128, True),
+    "qwen2-char-medium": AgentSpec("qwen2", "char", 96, 3, 4, 2, 192, True),
+    "llama-pair-medium": AgentSpec("llama", "pair", 96, 3, 4, 2, 192, False),
+}
+
+DEFAULT_KINDS = tuple(AGENT_KINDS)
+
+DEFAULT_SEEDS = {"qwen2-char-small": 0, "qwen2-char-medium": 1, "llama-pair-medium": 2}
+
+
+def build_model(spec: AgentSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
+    """Random-init causal LM for `spec`; vocab = len(tokenizer), float32, sdpa attention."""
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        max_position_embeddings=MAX_POSITIONS,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.02,
+    )
+    if spec.arch == "qwen2":
+        config, cls = Qwen2Config(**common), Qwen2ForCausalLM
+    elif spec.arch == "llama":
+        config, cls = LlamaConfig(**common), LlamaForCausalLM
+    else:
+        raise ValueError(f"unknown arch {spec.arch!r}")
+    config.dtype = torch.float32
+    config._attn_implementation = "sdpa"
+    # Seed just around init so building one agent never shifts another agent's weights.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    return model.to(torch.float32).eval()
+
+
+def _generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
+    return GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# agents on disk
+# ---------------------------------------------------------------------------------------
+
+
+def _spec_record(kind: str, seed: int) -> dict:
+    return {"kind": kind, "seed": int(seed), "version": _SPEC_VERSION, **dataclasses.asdict(AGENT_KINDS[kind])}
+
+
+def _is_built(path: str, record: dict) -> bool:
+    try:
+        with open(os.path.join(path, SPEC_FILE)) as f:
+            return json.load(f) == record
+    except (OSError, ValueError):
+        return False
+
+
+def build_agent(out_dir: str, kind: str, seed: int | None = None) -> str:
+    """Build agent `kind` into `out_dir/kind` and return that path.
+
+    Idempotent: a directory whose spec marker matches (kind, seed, builder version) is left
+    as is. The agent is written to a temporary sibling and renamed into place, so concurrent
+    builders (parallel test workers) never observe a half-written directory.
+    """
+    if kind not in AGENT_KINDS:
+        raise ValueError(f"unknown agent kind {kind!r}; known: {sorted(AGENT_KINDS)}")
+    seed = DEFAULT_SEEDS.get(kind, 0) if seed is None else seed
+    path = os.path.join(os.path.abspath(out_dir), kind)
+    record = _spec_record(kind, seed)
+    if _is_built(path, record):
+        return path
+
+    os.makedirs(out_dir, exist_ok=True)
+    spec = AGENT_KINDS[kind]
+    tokenizer = TOKENIZER_BUILDERS[spec.tokenizer]()
+    model = build_model(spec, tokenizer, seed)
+    model.generation_config = _generation_config(tokenizer)
+
+    tmp = tempfile.mkdtemp(prefix=f".{kind}.", dir=out_dir)
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        with open(os.path.join(tmp, SPEC_FILE), "w") as f:
+            json.dump(record, f, indent=2, sort_keys=True)
+        if _is_built(path, record):  # another process won the race
+            shutil.rmtree(tmp)
+            return path
+        if os.path.exists(path):
+            shutil.rmtree(path)
+        os.replace(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def build_default_agents(out_dir: str, kinds: Sequence[str] = DEFAULT_KINDS) -> dict[str, str]:
+    """Build every kind in `kinds` (default seeds); returns {kind: path}."""
+    return {kind: build_agent(out_dir, kind) for kind in kinds}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Build tiny heterogeneous HACPO agents offline.")
+    parser.add_argument("--out", required=True, help="directory that receives one sub-directory per agent")
+    parser.add_argument("--kinds", nargs="+", default=list(DEFAULT_KINDS), choices=sorted(AGENT_KINDS))
+    parser.add_argument("--seed", type=int, default=None, help="one seed for all kinds (default: per kind)")
+    args = parser.parse_args(argv)
+    for kind in args.kinds:
+        print(build_agent(args.out, kind, args.seed))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""The config composes from the package, and one validation pass rejects configurations
+that cannot work with one line naming the key — before anything starts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from recipe_hacpo.config import ConfigError, agent_verl_config, validate
+
+
+def _compose(name: str, overrides: list[str]) -> object:
+    with initialize_config_module("recipe_hacpo.configs", version_base=None):
+        return compose(name, overrides=overrides)
+
+
+@pytest.fixture
+def demo_overrides(tiny_agent_paths):
+    return [
+        f"agents.0.model_path={tiny_agent_paths['qwen2-char-small']}",
+        f"agents.1.model_path={tiny_agent_paths['llama-pair-medium']}",
+    ]
+
+
+def test_demo_preset_validates_and_builds_agent_configs(demo_overrides):
+    cfg = _compose("hacpo_cpu_demo", demo_overrides)
+    specs, hacpo = validate(cfg)
+    assert [s.name for s in specs] == ["qwen_char", "llama_pair"]
+    assert hacpo.mode == "hacpo" and hacpo.alpha == 1.0
+    agent = agent_verl_config(cfg, specs[1])
+    assert agent.actor_rollout_ref.model.path == specs[1].model_path
+    assert agent.actor_rollout_ref.rollout.n == specs[1].rollout_n
+    assert agent.actor_rollout_ref.rollout.custom.agent_name == "llama_pair"
+    assert "agents" not in agent
+
+
+def test_agent_override_merges_into_template(demo_overrides):
+    cfg = _compose("hacpo_cpu_demo", demo_overrides + ["+agents.1.actor_rollout_ref.actor.optim.lr=0.5"])
+    specs, _ = validate(cfg)
+    assert agent_verl_config(cfg, specs[1]).actor_rollout_ref.actor.optim.lr == 0.5
+    assert agent_verl_config(cfg, specs[0]).actor_rollout_ref.actor.optim.lr == cfg.actor_rollout_ref.actor.optim.lr
+
+
+def test_naive_settings_imply_plain_baseline():
+    from recipe_hacpo.config import HacpoSettings
+
+    naive = HacpoSettings(mode="naive", alpha=3.0).effective()
+    assert (naive.capability_baseline, naive.discrepancy_coefficient, naive.alpha, naive.cross_clip) == (
+        False, False, 0.0, "gspo",
+    )
+    assert HacpoSettings(mode="hacpo", alpha=3.0).loss_kwargs()["alpha"] == 3.0
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["agents.1.name=qwen_char"], r"agents\[1\]\.name='qwen_char': duplicate agent name"),
+        (["agents.1.model_path=/nonexistent/model"], r"agents\[1\]\.model_path='/nonexistent/model' \(llama_pair\): not a local directory"),
+        (["data.train_batch_size=6"], r"data\.train_batch_size=6 is not divisible by actor_rollout_ref\.actor\.ppo_mini_batch_size=4"),
+        (["ray_kwargs.ray_init.num_gpus=1"], r"pools need 2 GPUs .* but the cluster has 1"),
+        (["algorithm.hacpo.mode=shared"], r"algorithm\.hacpo\.mode='shared': must be one of hacpo, naive, isolated"),
+        (["+algorithm.hacpo.alhpa=1"], r"algorithm\.hacpo\.alhpa: unknown key"),
+        (["algorithm.hacpo.omega_clip=[2.0,10.0]"], r"algorithm\.hacpo\.omega_clip"),
+        (["algorithm.hacpo.cross_clip=gspo"], r"algorithm\.hacpo\.cross_clip='gspo'.*mode=naive"),
+        (["agents.0.rollout_n=0"], r"agents\[0\]\.rollout_n=0: must be >= 1"),
+    ],
+)
+def test_bad_configs_fail_with_one_line(demo_overrides, extra, message):
+    cfg = _compose("hacpo_cpu_demo", demo_overrides + extra)
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(cfg)
+    assert "\n" not in str(err.value)
+
+
+def _first_agent_only(cfg):
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.agents = cfg.agents[:1]
+    return cfg
+
+
+def test_sharing_needs_two_agents(demo_overrides):
+    cfg = _first_agent_only(_compose("hacpo_cpu_demo", demo_overrides))
+    with pytest.raises(ConfigError, match=r"sharing needs at least 2 agents, got 1"):
+        validate(cfg)
+    cfg = _first_agent_only(_compose("hacpo_cpu_demo", demo_overrides + ["algorithm.hacpo.mode=isolated"]))
+    specs, _ = validate(cfg)
+    assert len(specs) == 1
+
+
+def test_main_rejects_bad_config_before_ray(tmp_path, demo_overrides):
+    """The CLI exits 2 with a one-line error and never starts Ray."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", *demo_overrides,
+         "agents.1.name=qwen_char", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert lines == ["error: agents[1].name='qwen_char': duplicate agent name; names must be unique"]
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+
+
+def test_main_rejects_bad_data_file(tmp_path, demo_overrides):
+    import pandas as pd
+
+    bad = tmp_path / "bad.parquet"
+    pd.DataFrame({"data_source": ["x"], "prompt": [[{"role": "user", "content": "1+1="}]]}).to_parquet(bad)
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", *demo_overrides,
+         f"data.train_files={bad}", f"hydra.run.dir={tmp_path}"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(err) == 1 and str(bad) in err[0] and "reward_model" in err[0], err

@@ -1,0 +1,135 @@
+"""The one place recipe_hacpo reaches into verl internals or version-specific behaviour.
+
+Pinned to verl 0.9.1. Each entry names the verl file it relies on, so an upgrade is a matter
+of re-reading those files. Everything else in the package uses verl's public extension
+points (registries, config fields, subclassing).
+
+Touchpoints (private or unversioned contracts):
+
+1. `verl/workers/rollout/base.py::_ROLLOUT_REGISTRY` - private dict {(name, mode): "module.Class"}
+   read by `get_rollout_class` when `ActorRolloutRefWorker.init_model`
+   (`verl/workers/engine_workers.py`) and `CheckpointEngineWorker`
+   (`verl/checkpoint_engine/base.py`) build the worker-side rollout adapter. There is no
+   public register function in 0.9.1, so the hf adapter is entered here.
+2. Adapter call contract used by `ActorRolloutRefWorker.update_weights`
+   (`verl/workers/engine_workers.py`, naive checkpoint backend): the adapter is built as
+   `cls(config=, model_config=, device_mesh=)` (plus `replica_rank=` from
+   `CheckpointEngineWorker`), and called as `resume(tags=["weights"|"kv_cache"])`,
+   `update_weights(per_tensor_param, peft_config=, base_sync_done=, global_steps=)`,
+   `release()`. Ranks are read from the `RANK` env var set by verl's `Worker`.
+3. Server call surface expected from a rollout server actor by
+   `verl/workers/rollout/llm_server.py::LLMServerClient.generate` (`generate(request_id=,
+   prompt_ids=, sampling_params=, image_data=, video_data=, ...) -> TokenOutput`) and by
+   `verl/workers/rollout/replica.py::RolloutReplica` (wake_up, sleep, clear_kv_cache,
+   release_kv_cache, resume_kv_cache, abort_all_requests, resume_generation, start_profile,
+   stop_profile); sampling dict keys as built in
+   `verl/experimental/agent_loop/agent_loop.py::AgentLoopWorker.generate_sequences`.
+4. Ray actor naming `{prefix}server_{replica_rank}_{node_rank}` shared by a replica and its
+   adapter (`verl/workers/rollout/vllm_rollout/{vllm_async_server,vllm_rollout}.py` use the
+   same scheme). Replica ranks restart at 0 per worker group, hence the per-agent prefix
+   in `hf_rollout.server_name_prefix`.
+
+5. `verl/utils/distributed.py::initialize_global_process_group_ray` builds the backend string
+   `f"cpu:gloo,{get_device_name()}:{get_nccl_backend()}"`. With the CPU platform that is
+   "cpu:gloo,cpu:gloo", which torch (>= 2.x, `distributed_c10d.BackendConfig`) rejects as a
+   duplicate device. `install_backend_string_dedup` wraps `torch.distributed.init_process_group`
+   so that repeated *identical* `device:backend` pairs collapse to one; any other string is
+   passed through untouched. Installed only when the CPU platform is registered. A trainer
+   that owns its worker class can avoid it by calling
+   `torch.distributed.init_process_group("cpu:gloo", ...)` before verl's worker `__init__`
+   (verl skips initialisation when a default group exists).
+6. `verl/workers/rollout/replica.py::RolloutReplicaRegistry._registry` (private) is read by
+   `hf_rollout_registered` for diagnostics only.
+
+Public registrations done from here as well, to keep all of verl's registries in one file:
+`verl/workers/rollout/replica.py::RolloutReplicaRegistry.register` (public classmethod) and
+`verl/workers/engine/base.py::EngineRegistry.register`: verl registers its FSDP engines
+(`verl/workers/engine/fsdp/transformer_impl.py::FSDPEngineWithLMHead`, `FSDPEngineWithValueHead`)
+for devices "cuda" and "npu" only; `register_cpu_engines` adds "cpu" for the same classes.
+"""
+
+from __future__ import annotations
+
+import functools
+
+HF_BACKEND = "hf"
+HF_ADAPTER_FQN = "recipe_hacpo.workers.hf_rollout.HFServerAdapter"
+
+
+def _load_hf_replica():
+    # Deferred: the replica module imports ray / transformers pieces that `import verl`
+    # should not pay for in every process.
+    from recipe_hacpo.workers.hf_rollout import HFReplica
+
+    return HFReplica
+
+
+def register_hf_rollout() -> None:
+    """Make `actor_rollout_ref.rollout.name=hf` resolvable on both sides of verl's rollout."""
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    RolloutReplicaRegistry.register(HF_BACKEND, _load_hf_replica)
+    # Touchpoint 1 (private): no public registration API for adapters in verl 0.9.1.
+    rollout_base._ROLLOUT_REGISTRY[(HF_BACKEND, "async")] = HF_ADAPTER_FQN
+
+
+def hf_rollout_registered() -> bool:
+    """Both halves of the hf backend are visible to verl in this process."""
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    return HF_BACKEND in RolloutReplicaRegistry._registry and (HF_BACKEND, "async") in rollout_base._ROLLOUT_REGISTRY
+
+
+def dedupe_backend_string(backend):
+    """Collapse repeated identical `device:backend` pairs ("cpu:gloo,cpu:gloo" -> "cpu:gloo").
+
+    Anything else (a plain backend name, conflicting pairs, non-strings) is returned as is,
+    so torch still reports genuinely invalid strings.
+    """
+    if not isinstance(backend, str) or ":" not in backend or "," not in backend:
+        return backend
+    pairs: dict[str, str] = {}
+    for item in backend.split(","):
+        device, sep, name = item.partition(":")
+        if not sep:
+            return backend
+        if pairs.setdefault(device, name) != name:
+            return backend
+    return ",".join(f"{device}:{name}" for device, name in pairs.items())
+
+
+def install_backend_string_dedup() -> None:
+    """Touchpoint 5: wrap `torch.distributed.init_process_group` once per process."""
+    import torch.distributed as dist
+
+    original = dist.init_process_group
+    if getattr(original, "_hacpo_dedupe_backend", False):
+        return
+
+    @functools.wraps(original)
+    def init_process_group(*args, **kwargs):
+        if "backend" in kwargs:
+            kwargs["backend"] = dedupe_backend_string(kwargs["backend"])
+        elif args:
+            args = (dedupe_backend_string(args[0]), *args[1:])
+        return original(*args, **kwargs)
+
+    init_process_group._hacpo_dedupe_backend = True
+    dist.init_process_group = init_process_group
+
+
+def register_cpu_engines() -> None:
+    """Let `EngineRegistry` resolve fsdp/fsdp2 engines when the platform's device is "cpu".
+
+    Imports verl's engine package (heavy), so it runs only when the CPU platform is active.
+    """
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
+
+    for model_type, engine_cls in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
+        try:
+            EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine_cls)
+        except AssertionError:  # already registered in this process
+            pass
