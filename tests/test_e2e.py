@@ -1,0 +1,210 @@
+"""End to end: `python -m recipe_hacpo.main` through Ray on CPU with tiny heterogeneous agents
+(different sizes, architectures and tokenizers), in hacpo, naive and isolated modes, with
+2 and 3 agents, checkpoint and resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from recipe_hacpo import batch_keys as K
+from recipe_hacpo.core_algos import compute_hacpo_advantage
+
+pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_main(out_dir: str, overrides: list[str], timeout: int = 900) -> list[dict]:
+    """Run the CLI; return the per-step metric records of verl's file logger."""
+    metrics_file = os.path.join(out_dir, "metrics.jsonl")
+    env = dict(os.environ, VERL_FILE_LOGGER_PATH=metrics_file, HACPO_DATA_DIR=os.path.join(REPO, "data"))
+    cmd = [
+        sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo",
+        "trainer.logger=[console,file]", f"trainer.default_local_dir={out_dir}/ckpt",
+        f"hydra.run.dir={out_dir}/hydra", "trainer.progress_bar=false", *overrides,
+    ]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    log = proc.stdout[-6000:] + proc.stderr[-6000:]
+    assert proc.returncode == 0, log
+    with open(metrics_file) as f:
+        return [json.loads(line) for line in f]
+
+
+def agent_overrides(paths: dict[str, str], kinds: list[str]) -> list[str]:
+    names = {"qwen2-char-small": "qwen_char", "llama-pair-medium": "llama_pair", "qwen2-char-medium": "qwen_mid"}
+    agents = ",".join(
+        f"{{name:{names[k]},model_path:'{paths[k]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
+        for k in kinds
+    )
+    return [f"agents=[{agents}]", f"ray_kwargs.ray_init.num_gpus={len(kinds)}"]
+
+
+def train_steps(records: list[dict]) -> dict[int, dict]:
+    return {r["step"]: r["data"] for r in records if "training/global_step" in r["data"]}
+
+
+def checkpoint_weights(path: str) -> dict[str, torch.Tensor]:
+    state = torch.load(os.path.join(path, "actor", "model_world_size_1_rank_0.pt"), weights_only=False)
+    return {k: (v._local_tensor if hasattr(v, "_local_tensor") else v).float() for k, v in state.items()}
+
+
+def assert_weights_changed(model_dir: str, ckpt_agent_dir: str) -> None:
+    initial = load_file(os.path.join(model_dir, "model.safetensors"))
+    trained = checkpoint_weights(ckpt_agent_dir)
+    common = [k for k in trained if k in initial]
+    assert common, "checkpoint and initial model share no parameter names"
+    changed = [k for k in common if not torch.equal(initial[k].float(), trained[k])]
+    assert len(changed) >= len(common) // 2, f"only {len(changed)}/{len(common)} tensors changed"
+
+
+def assert_finite_losses(steps: dict[int, dict], names: list[str]) -> None:
+    for step, data in steps.items():
+        for name in names:
+            loss = data[f"agent/{name}/actor/pg_loss"]
+            assert math.isfinite(loss), (step, name, loss)
+
+
+# ----------------------------------------------------------------------------- HACPO, 2 agents
+@pytest.fixture(scope="module")
+def hacpo_run(tmp_path_factory, warm_agent_paths):
+    out = str(tmp_path_factory.mktemp("hacpo2"))
+    kinds = ["qwen2-char-small", "llama-pair-medium"]
+    records = run_main(
+        out,
+        agent_overrides(warm_agent_paths, kinds)
+        + ["trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.test_freq=2",
+           f"trainer.learner_batch_dir={out}/batches"],
+    )
+    return out, records, kinds
+
+
+def test_hacpo_two_agents_train_share_and_checkpoint(hacpo_run, warm_agent_paths):
+    out, records, kinds = hacpo_run
+    steps = train_steps(records)
+    assert sorted(steps) == [1, 2]
+    names = ["qwen_char", "llama_pair"]
+    assert_finite_losses(steps, names)
+    for name in names:
+        # cross samples reached every learner, and both directions of ω were logged
+        assert steps[2][f"agent/{name}/cross/rows"] > 0
+        assert steps[2][f"agent/{name}/hacpo/cross_frac"] > 0
+        assert 0 < steps[2][f"agent/{name}/capability"] <= 1
+        assert f"agent/{name}/val/hacpo/arith/add1/mean@1" in steps[2]
+    # ω^(j,k)·ω^(k,j) = 1 (the clamp [0.1, 10] is symmetric)
+    omega_product = steps[2]["agent/qwen_char/omega/llama_pair"] * steps[2]["agent/llama_pair/omega/qwen_char"]
+    assert omega_product == pytest.approx(1.0, rel=1e-5)
+    ckpt = os.path.join(out, "ckpt")
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "2"
+    assert not [d for d in os.listdir(ckpt) if d.endswith(".tmp")]
+    for kind, name in zip(kinds, names):
+        assert_weights_changed(warm_agent_paths[kind], os.path.join(ckpt, "global_step_2", name))
+
+
+def test_learner_batch_holds_own_and_retokenized_peer_rows(hacpo_run, warm_agent_paths):
+    from transformers import AutoTokenizer
+    from verl import DataProto
+
+    out, _, kinds = hacpo_run
+    step_dir = os.path.join(out, "batches", "step_2")
+    tracker = torch.load(os.path.join(step_dir, "tracker.pt"))
+    caps = torch.tensor(np.maximum(np.mean(tracker["history"], axis=0), tracker["floor"]))
+    names = ["qwen_char", "llama_pair"]
+    toks = {n: AutoTokenizer.from_pretrained(warm_agent_paths[k]) for n, k in zip(names, kinds)}
+    batches = {n: DataProto.load_from_disk(os.path.join(step_dir, f"{n}.pkl")) for n in names}
+    prompts, g = 8, 4
+    for k, name in enumerate(names):
+        b = batches[name]
+        src = b.batch[K.SOURCE]
+        cross = b.batch[K.IS_CROSS]
+        # exactly its own G·prompts rows plus the peer's G·prompts rows
+        assert int((src == k).sum()) == prompts * g and not bool(cross[src == k].any())
+        assert int((src != k).sum()) == prompts * g and bool(cross[src != k].all())
+        # every group (uid) has both agents' answers
+        uids, counts = np.unique(b.non_tensor_batch["uid"], return_counts=True)
+        assert len(uids) == prompts and set(counts) == {2 * g}
+        # advantages are spec §2's, with the tracker state of this step
+        expected = compute_hacpo_advantage(b.batch[K.REWARD], b.non_tensor_batch["uid"], src, k, caps)
+        mask = b.batch["response_mask"].float()
+        got = (b.batch["advantages"] * mask).sum(-1) / mask.sum(-1).clamp(min=1)
+        rows = mask.sum(-1) > 0
+        assert torch.allclose(got[rows], expected.float()[rows], atol=1e-5)
+        # peer rows are the source's text in the learner's tokenization: its encoding, cut at
+        # the learner's response limit, plus the learner's EOS when the source had finished
+        tok = toks[name]
+        width = b.batch["responses"].shape[1]
+        peer = torch.nonzero(cross).flatten()
+        for i in peer.tolist():
+            ids = b.batch["responses"][i][b.batch["response_mask"][i].bool()].tolist()
+            cut = len(ids) == width  # the learner's limit was reached
+            if ids and ids[-1] == tok.eos_token_id:
+                ids = ids[:-1]
+            full = tok.encode(b.non_tensor_batch[K.RESPONSE_TEXT][i], add_special_tokens=False)
+            assert ids == (full[: len(ids)] if cut else full), i
+        # ω on cross rows is ω^(src,k) (spec §3) and 1 on own rows
+        assert torch.all(b.batch[K.OMEGA][~cross] == 1.0)
+
+
+def test_resume_continues_from_checkpoint(hacpo_run, warm_agent_paths):
+    out, _, kinds = hacpo_run
+    records = run_main(
+        out,
+        agent_overrides(warm_agent_paths, kinds)
+        + ["trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.resume_mode=auto"],
+    )
+    steps = train_steps(records)
+    assert sorted(steps) == [3], steps.keys()
+    ckpt = os.path.join(out, "ckpt")
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "3"
+    state = torch.load(os.path.join(ckpt, "global_step_3", "hacpo_state.pt"), weights_only=False)
+    assert state["global_step"] == 3
+    assert len(state["tracker"]["history"]) == 3  # the capability history survived the restart
+
+
+# ----------------------------------------------------------------------------- 3 agents, other modes
+def test_three_agents(tmp_path, warm_agent_paths):
+    kinds = ["qwen2-char-small", "qwen2-char-medium", "llama-pair-medium"]
+    records = run_main(
+        str(tmp_path),
+        agent_overrides(warm_agent_paths, kinds)
+        + ["trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false"],
+    )
+    steps = train_steps(records)
+    names = ["qwen_char", "qwen_mid", "llama_pair"]
+    assert_finite_losses(steps, names)
+    for name in names:
+        # each learner sees both peers: 2 × 8 prompts × 4 responses
+        assert steps[2][f"agent/{name}/cross/rows"] == 64
+    for kind, name in zip(kinds, names):
+        assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
+
+
+@pytest.mark.parametrize("mode", ["naive", "isolated"])
+def test_baseline_modes(tmp_path, warm_agent_paths, mode):
+    kinds = ["qwen2-char-small", "llama-pair-medium"]
+    records = run_main(
+        str(tmp_path),
+        agent_overrides(warm_agent_paths, kinds)
+        + [f"algorithm.hacpo.mode={mode}", "trainer.total_training_steps=2", "trainer.save_freq=2",
+           "trainer.test_freq=-1", "trainer.val_before_train=false"],
+    )
+    steps = train_steps(records)
+    names = ["qwen_char", "llama_pair"]
+    assert_finite_losses(steps, names)
+    for name in names:
+        rows = steps[2][f"agent/{name}/cross/rows"]
+        assert (rows > 0) if mode == "naive" else (rows == 0)
+        if mode == "naive":
+            # no capability terms: ω is 1 for every source
+            peer = [n for n in names if n != name][0]
+            assert steps[2][f"agent/{name}/omega/{peer}"] == 1.0
+    for kind, name in zip(kinds, names):
+        assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
