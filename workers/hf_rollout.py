@@ -24,7 +24,8 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import ray
 import torch
@@ -44,7 +45,7 @@ BACKEND_NAME = "hf"
 # ---------------------------------------------------------------------------------------
 
 
-def agent_name_of(config: RolloutConfig | Any) -> Optional[str]:
+def agent_name_of(config: RolloutConfig | Any) -> str | None:
     """The agent this rollout belongs to, from `rollout.custom.agent_name` (None: single agent)."""
     custom = getattr(config, "custom", None)
     if custom is None and hasattr(config, "get"):
@@ -104,16 +105,16 @@ class Sampling:
     """Everything that decides how a request is decoded; requests with equal records batch together."""
 
     do_sample: bool
-    temperature: Optional[float]  # None on greedy
-    top_k: Optional[int]  # 0 = disabled (HF convention); None on greedy
-    top_p: Optional[float]
-    min_p: Optional[float]
+    temperature: float | None  # None on greedy
+    top_k: int | None  # 0 = disabled (HF convention); None on greedy
+    top_p: float | None
+    min_p: float | None
     repetition_penalty: float
     max_new_tokens: int
     logprobs: bool
     ignore_eos: bool
     stop_token_ids: tuple[int, ...]
-    seed: Optional[int]
+    seed: int | None
 
 
 def parse_sampling(params: dict[str, Any], config: RolloutConfig, prompt_len: int) -> Sampling:
@@ -199,7 +200,7 @@ _DTYPES = {
 @dataclasses.dataclass
 class Generated:
     token_ids: list[int]
-    log_probs: Optional[list[float]]
+    log_probs: list[float] | None
     finished: bool  # stopped on an EOS / stop token, not on the token budget
 
 
@@ -268,8 +269,7 @@ class HFEngine:
             input_ids[row, width - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
             attention_mask[row, width - len(prompt) :] = 1
 
-        # Every sampling field is set explicitly so the checkpoint's generation_config
-        # (e.g. a Qwen default top_k=20) cannot leak in; verl passes its own values.
+        # verl's values only: unset fields fall back to the blank model config set in __init__.
         gen_config = GenerationConfig(
             do_sample=sampling.do_sample,
             temperature=sampling.temperature,
@@ -434,22 +434,24 @@ class HFRolloutServer:
         if options.get("num_threads"):
             torch.set_num_threads(int(options["num_threads"]))
 
-        self.engine: Optional[HFEngine] = None
-        self.global_steps: Optional[int] = None
+        self.engine: HFEngine | None = None
+        self.global_steps: int | None = None
         # Resident state: verl's naive sync resumes "weights" then "kv_cache"; a request
         # arriving while either is released means the trainer got the phase order wrong.
         self._resident = {"weights": True, "kv_cache": True}
 
         self._queue: deque[_Request] = deque()
-        self._work = asyncio.Event()
-        self._idle = asyncio.Event()
+        self._work = asyncio.Event()  # queue non-empty (or being drained)
+        self._idle = asyncio.Event()  # nothing queued and no batch running
         self._idle.set()
-        self._weights_consistent = asyncio.Event()
+        self._no_batch = asyncio.Event()  # no batch running (queued requests may wait)
+        self._no_batch.set()
+        self._weights_consistent = asyncio.Event()  # cleared during a weight update
         self._weights_consistent.set()
         self._gate_open = asyncio.Event()
         self._gate_open.set()
         self._rejecting = False
-        self._scheduler: Optional[asyncio.Task] = None
+        self._scheduler: asyncio.Task | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -475,10 +477,10 @@ class HFRolloutServer:
         prompt_ids: list[int],
         sampling_params: dict[str, Any],
         request_id: str,
-        image_data: Optional[list[Any]] = None,
-        video_data: Optional[list[Any]] = None,
-        audio_data: Optional[list[Any]] = None,
-        mm_processor_kwargs: Optional[dict[str, Any]] = None,
+        image_data: list[Any] | None = None,
+        video_data: list[Any] | None = None,
+        audio_data: list[Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
         priority: int = 0,
         **kwargs,
     ) -> TokenOutput:
@@ -503,7 +505,7 @@ class HFRolloutServer:
         self._queue.append(_Request(prompt_ids, sampling, future))
         self._idle.clear()
         self._work.set()
-        result: Optional[Generated] = await future
+        result: Generated | None = await future
         if result is None:
             return self._aborted()
         return TokenOutput(
@@ -518,7 +520,9 @@ class HFRolloutServer:
         )
 
     def _aborted(self) -> TokenOutput:
-        return TokenOutput(token_ids=[], log_probs=None, stop_reason="aborted", extra_fields={"global_steps": self.global_steps})
+        return TokenOutput(
+            token_ids=[], log_probs=None, stop_reason="aborted", extra_fields={"global_steps": self.global_steps}
+        )
 
     async def _schedule(self) -> None:
         """Forever: wait for requests, gather a short window, run one same-`Sampling` batch."""
@@ -526,26 +530,26 @@ class HFRolloutServer:
             await self._work.wait()
             await asyncio.sleep(self._batch_wait_s)
             await self._weights_consistent.wait()
+            if self._queue:
+                await self._run_batch(self._take_batch())
             if not self._queue:
                 self._work.clear()
                 self._idle.set()
-                continue
-            batch = self._take_batch()
-            try:
-                results = await asyncio.to_thread(
-                    self.engine.generate, [r.prompt_ids for r in batch], batch[0].sampling
-                )
-            except Exception as exc:  # every waiting caller gets the error, the server lives on
-                for request in batch:
-                    if not request.future.done():
-                        request.future.set_exception(exc)
-            else:
-                for request, result in zip(batch, results, strict=True):
-                    if not request.future.done():
-                        request.future.set_result(result)
-            if not self._queue:
-                self._work.clear()
-                self._idle.set()
+
+    async def _run_batch(self, batch: list[_Request]) -> None:
+        self._no_batch.clear()
+        try:
+            results = await asyncio.to_thread(self.engine.generate, [r.prompt_ids for r in batch], batch[0].sampling)
+        except Exception as exc:  # every waiting caller gets the error, the server lives on
+            for request in batch:
+                if not request.future.done():
+                    request.future.set_exception(exc)
+        else:
+            for request, result in zip(batch, results, strict=True):
+                if not request.future.done():
+                    request.future.set_result(result)
+        finally:
+            self._no_batch.set()
 
     def _take_batch(self) -> list[_Request]:
         """The oldest request and every queued request with the same sampling, FIFO, capped."""
@@ -565,7 +569,7 @@ class HFRolloutServer:
 
     # -- memory phases (CPU: bookkeeping only; nothing to free) ---------------------------
 
-    async def wake_up(self, tags: Optional[list[str]] = None) -> None:
+    async def wake_up(self, tags: list[str] | None = None) -> None:
         for tag in tags or list(self._resident):
             self._resident[tag] = True
 
@@ -600,7 +604,7 @@ class HFRolloutServer:
             if not request.future.done():
                 request.future.set_result(None)
                 aborted += 1
-        await self._idle.wait()
+        await self._no_batch.wait()
         return {"aborted_count": aborted, "request_ids": []}
 
     async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
@@ -620,14 +624,16 @@ class HFRolloutServer:
     # -- weights -----------------------------------------------------------------------
 
     async def begin_weight_update(self) -> None:
+        # Queued requests wait (the scheduler blocks on `_weights_consistent`); only the
+        # batch already running must finish before weights change under it.
         self._weights_consistent.clear()
-        await self._idle.wait()
+        await self._no_batch.wait()
         self.engine.begin_weight_update()
 
     async def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         await asyncio.to_thread(self.engine.load_weights, named_tensors)
 
-    async def finish_weight_update(self, global_steps: Optional[int] = None) -> None:
+    async def finish_weight_update(self, global_steps: int | None = None) -> None:
         try:
             self.engine.finish_weight_update()
         finally:
@@ -714,14 +720,14 @@ class HFServerAdapter(BaseRollout):
         rank = int(os.environ.get("RANK", "0"))
         self.replica_rank = rank // rollout_world_size if replica_rank == -1 else replica_rank
         self.rollout_rank = rank % rollout_world_size
-        self.server_handle: Optional[ray.actor.ActorHandle] = None
+        self.server_handle: ray.actor.ActorHandle | None = None
         self._bucket_bytes = max(1, int(self.config.checkpoint_engine.update_weights_bucket_megabytes)) << 20
 
     @property
     def is_leader_rank(self) -> bool:
         return self.rollout_rank == 0
 
-    def _server(self) -> Optional[ray.actor.ActorHandle]:
+    def _server(self) -> ray.actor.ActorHandle | None:
         # Resolved lazily: the trainer builds worker groups before it launches the servers.
         if not self.is_leader_rank:
             return None
@@ -741,7 +747,7 @@ class HFServerAdapter(BaseRollout):
     async def update_weights(
         self,
         weights,
-        global_steps: Optional[int] = None,
+        global_steps: int | None = None,
         wire_format: str = "named_tensors",
         peft_config=None,
         **kwargs,
@@ -749,7 +755,9 @@ class HFServerAdapter(BaseRollout):
         if wire_format != "named_tensors":
             raise NotImplementedError(f"hf rollout takes full tensors only; got wire_format={wire_format!r}")
         if peft_config is not None:
-            raise NotImplementedError("hf rollout has no LoRA adapter path; set actor_rollout_ref.model.lora.merge=True")
+            raise NotImplementedError(
+                "hf rollout has no LoRA adapter path; set actor_rollout_ref.model.lora.merge=True"
+            )
         server = self._server()
         start = time.time()
         if server is not None:

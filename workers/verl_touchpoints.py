@@ -40,6 +40,11 @@ Touchpoints (private or unversioned contracts):
    (verl skips initialisation when a default group exists).
 6. `verl/workers/rollout/replica.py::RolloutReplicaRegistry._registry` (private) is read by
    `hf_rollout_registered` for diagnostics only.
+7. `verl/experimental/reward_loop/reward_loop.py::RewardLoopManager._init_reward_loop_workers`
+   (private) names its actors `reward_loop_worker_{i}`, so a second manager in the job
+   collides. Sharing one manager is wrong for heterogeneous agents: each `RewardLoopWorker`
+   decodes response token ids with `config.actor_rollout_ref.model`'s tokenizer.
+   `AgentRewardLoopManager` overrides that method to name the workers per agent.
 
 Public registrations done from here as well, to keep all of verl's registries in one file:
 `verl/workers/rollout/replica.py::RolloutReplicaRegistry.register` (public classmethod) and
@@ -133,3 +138,52 @@ def register_cpu_engines() -> None:
             EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine_cls)
         except AssertionError:  # already registered in this process
             pass
+
+
+def _agent_reward_loop_manager_cls():
+    """Build `AgentRewardLoopManager` on first use (its base class pulls in the reward stack)."""
+    from verl.experimental.reward_loop import RewardLoopManager
+
+    class AgentRewardLoopManager(RewardLoopManager):
+        """verl's RewardLoopManager with per-agent worker names (touchpoint 7).
+
+        Build one per agent from that agent's full config (its `actor_rollout_ref.model`
+        supplies the tokenizer the workers decode with) and pass its
+        `reward_loop_worker_handles` to that agent's AgentLoopManager.
+        """
+
+        def __init__(self, config, rm_resource_pool=None, agent_name: str | None = None):
+            from recipe_hacpo.workers.hf_rollout import agent_name_of
+
+            self.agent_name = agent_name or agent_name_of(config.actor_rollout_ref.rollout) or "agent"
+            super().__init__(config, rm_resource_pool)
+
+        def _init_reward_loop_workers(self):
+            import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+            nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
+            self.reward_loop_workers = [
+                self.reward_loop_workers_class.options(
+                    name=f"reward_loop_worker_{self.agent_name}_{i}",
+                    # spread over nodes; soft so a busy node does not block start-up
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)], soft=True),
+                ).remote(self.config, self.reward_router_address)
+                for i in range(self.config.reward.num_workers)
+            ]
+
+    return AgentRewardLoopManager
+
+
+_LAZY = {"AgentRewardLoopManager": _agent_reward_loop_manager_cls}
+_BUILT: dict = {}
+
+
+def __getattr__(name: str):
+    # Lazy module attribute: importing this module (done by the plugin on `import verl`)
+    # must not import verl's reward stack.
+    if name in _LAZY:
+        if name not in _BUILT:
+            _BUILT[name] = _LAZY[name]()
+        return _BUILT[name]
+    raise AttributeError(name)

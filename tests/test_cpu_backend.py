@@ -1,0 +1,521 @@
+"""verl 0.9.1 on CPU with the `hf` rollout backend.
+
+1. The HF rollout server alone: log-probs equal a forward pass of the same weights, stop
+   reasons, greedy determinism, sampling knobs, weight-sync strictness.
+2. verl's own `main_ppo` (unmodified, as a subprocess) trains 2 GSPO steps on CPU with
+   `rollout.name=hf` through two FSDP2 ranks over gloo: the rollout and actor agree on
+   log-probs after every weight sync and the actor's weights move.
+
+`CPU_OVERRIDES` / `ppo_overrides` are the Hydra overrides that make this work; the
+multi-agent trainer reuses them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from recipe_hacpo import tiny_agents
+
+TINY_KIND = "qwen2-char-small"
+
+# ---------------------------------------------------------------------------------------
+# the overrides (shared with the multi-agent trainer)
+# ---------------------------------------------------------------------------------------
+
+CPU_OVERRIDES: tuple[str, ...] = (
+    # device & trainer stack
+    "trainer.device=cpu",
+    # the DataProto RayPPOTrainer; the v1 (TransferQueue) stack stalled at start-up here (not investigated)
+    "trainer.use_v1=False",
+    # actor engine: FSDP2 (FSDP1 refuses CPU), plain attention, no packing, fp32 compute so
+    # rollout and actor log-probs agree to ~1e-6
+    "actor_rollout_ref.actor.strategy=fsdp2",
+    "actor_rollout_ref.model.use_remove_padding=False",
+    "+actor_rollout_ref.model.override_config.attn_implementation=sdpa",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=False",
+    "+actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=fp32",
+    "actor_rollout_ref.actor.fsdp_config.use_torch_compile=False",
+    # reference model (only built with use_kl_loss / use_kl_in_reward): verl forces FSDP2
+    # CPUOffloadPolicy(pin_memory=True) on a forward_only engine, and pinning needs an
+    # accelerator; a non-forward_only ref needs an optim section, borrowed from the actor
+    # (its optimizer is built but never stepped)
+    "+actor_rollout_ref.ref.fsdp_config.mixed_precision.param_dtype=fp32",
+    "actor_rollout_ref.ref.fsdp_config.use_torch_compile=False",
+    "actor_rollout_ref.ref.fsdp_config.forward_only=False",
+    "+actor_rollout_ref.ref.optim=${actor_rollout_ref.actor.optim}",
+    # rollout: HF generate server per FSDP rank, random init, weights arrive by naive sync
+    "actor_rollout_ref.rollout.name=hf",
+    "actor_rollout_ref.rollout.tensor_model_parallel_size=1",
+    "actor_rollout_ref.rollout.dtype=float32",
+    "actor_rollout_ref.rollout.load_format=dummy",
+    "actor_rollout_ref.rollout.checkpoint_engine.backend=naive",
+    "actor_rollout_ref.rollout.calculate_log_probs=True",
+    # few helper actors / processes on a 2-core box
+    "actor_rollout_ref.rollout.agent.num_workers=1",
+    "reward.num_workers=1",
+    "data.dataloader_num_workers=0",
+    "+ray_kwargs.ray_init.include_dashboard=False",
+)
+"""Backend overrides for verl's ppo_trainer config on a CPU-only host (add `ray_overrides`)."""
+
+GSPO_OVERRIDES: tuple[str, ...] = (
+    "algorithm.adv_estimator=grpo",
+    "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+    "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+    "actor_rollout_ref.actor.use_kl_loss=False",
+)
+
+
+def ray_overrides(n_workers: int) -> list[str]:
+    """Logical GPUs = FSDP ranks. verl's ResourcePoolManager reserves 3 CPUs per GPU bundle
+    (`max_colocate_count=3`), so logical CPUs must be >= 3 * n_workers plus headroom for
+    the task runner / agent-loop / reward / rollout actors; Ray does not pin real cores."""
+    return [
+        f"trainer.n_gpus_per_node={n_workers}",
+        "trainer.nnodes=1",
+        f"+ray_kwargs.ray_init.num_gpus={n_workers}",
+        f"ray_kwargs.ray_init.num_cpus={3 * n_workers + 2}",
+    ]
+
+
+def ppo_overrides(
+    model_path: str,
+    train_file: str,
+    val_file: str,
+    reward_path: str,
+    out_dir: str,
+    *,
+    n_workers: int = 2,
+    steps: int = 2,
+    batch_size: int = 4,
+    n: int = 2,
+    prompt_length: int = 32,
+    response_length: int = 16,
+    reward_name: str = "compute_score",
+) -> list[str]:
+    """A complete override list for a tiny GSPO run of verl's main_ppo on CPU."""
+    return [
+        *CPU_OVERRIDES,
+        *GSPO_OVERRIDES,
+        *ray_overrides(n_workers),
+        f"data.train_files={train_file}",
+        f"data.val_files={val_file}",
+        f"data.train_batch_size={batch_size}",
+        f"data.max_prompt_length={prompt_length}",
+        f"data.max_response_length={response_length}",
+        f"actor_rollout_ref.model.path={model_path}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={batch_size}",
+        "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.actor.optim.lr=1e-3",
+        f"actor_rollout_ref.rollout.n={n}",
+        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2",
+        "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=2",
+        f"reward.custom_reward_function.path={reward_path}",
+        f"reward.custom_reward_function.name={reward_name}",
+        f"trainer.total_training_steps={steps}",
+        "trainer.total_epochs=1",
+        "trainer.logger=[console]",
+        "trainer.val_before_train=False",
+        "trainer.test_freq=-1",
+        "trainer.project_name=hacpo_cpu_test",
+        "trainer.experiment_name=hf_backend",
+        f"trainer.default_local_dir={out_dir}/ckpt",
+        f"hydra.run.dir={out_dir}/hydra",
+    ]
+
+
+# ---------------------------------------------------------------------------------------
+# fixtures
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_model_path(tmp_path_factory) -> str:
+    return tiny_agents.build_agent(str(tmp_path_factory.mktemp("cpu_backend_agents")), TINY_KIND)
+
+
+def _rollout_config(**kw):
+    from verl.workers.config import RolloutConfig
+
+    base = dict(
+        name="hf",
+        tensor_model_parallel_size=1,
+        prompt_length=64,
+        response_length=24,
+        dtype="float32",
+        load_format="auto",
+        calculate_log_probs=True,
+    )
+    base.update(kw)
+    return RolloutConfig(**base)
+
+
+def _model_config(path):
+    from verl.workers.config import HFModelConfig
+
+    return HFModelConfig(path=path)
+
+
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    out = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if hasattr(out, "keys") else out)
+
+
+def _reference_token_scores(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """log_softmax(logits / T) of each response token from one plain forward pass."""
+    full = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(full).logits[0, len(prompt) - 1 : -1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def compose_ppo_config(overrides: list[str]):
+    """verl's ppo_trainer config with `overrides`, composed in-process (no Ray, no main_ppo)."""
+    import verl
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(verl.__file__), "trainer", "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=overrides)
+
+
+# ---------------------------------------------------------------------------------------
+# 0. pure pieces (no Ray)
+# ---------------------------------------------------------------------------------------
+
+
+def test_plugin_registered_cpu_platform_and_hf_backend():
+    import verl  # noqa: F401  (loads the verl.plugins entry point)
+    from recipe_hacpo.workers.hf_rollout import HFReplica, HFServerAdapter
+    from recipe_hacpo.workers.verl_touchpoints import dedupe_backend_string
+    from verl.utils.device import get_device_name, get_nccl_backend, get_resource_name
+    from verl.workers.engine.base import EngineRegistry
+    from verl.workers.rollout.base import get_rollout_class
+    from verl.workers.rollout.replica import get_rollout_replica_class
+
+    if not torch.cuda.is_available():
+        assert (get_device_name(), get_nccl_backend(), get_resource_name()) == ("cpu", "gloo", "GPU")
+        assert EngineRegistry.get_engine_cls("language_model", "fsdp2").__name__ == "FSDPEngineWithLMHead"
+    assert get_rollout_replica_class("hf") is HFReplica
+    assert get_rollout_class("hf") is HFServerAdapter
+    assert dedupe_backend_string("cpu:gloo,cpu:gloo") == "cpu:gloo"
+    assert dedupe_backend_string("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:nccl"
+    assert dedupe_backend_string("cpu:gloo,cpu:nccl") == "cpu:gloo,cpu:nccl"  # conflict: left for torch to reject
+
+
+def test_server_names_are_per_agent():
+    from recipe_hacpo.workers.hf_rollout import server_actor_name
+
+    solo = _rollout_config()
+    alice, bob = _rollout_config(custom={"agent_name": "alice"}), _rollout_config(custom={"agent_name": "bob"})
+    assert server_actor_name(solo, 0) == "hf_server_0_0"
+    assert server_actor_name(alice, 0) == "hf_alice_server_0_0"
+    assert len({server_actor_name(c, r) for c in (solo, alice, bob) for r in (0, 1)}) == 6
+
+
+def test_parse_sampling_defaults_and_limits():
+    from recipe_hacpo.workers.hf_rollout import parse_sampling
+
+    cfg = _rollout_config(temperature=0.7, top_k=5, top_p=0.9, max_model_len=80)
+    s = parse_sampling({}, cfg, prompt_len=10)
+    assert (s.do_sample, s.temperature, s.top_k, s.top_p) == (True, 0.7, 5, 0.9)
+    assert s.max_new_tokens == 24  # response_length
+    assert parse_sampling({"max_tokens": 500}, cfg, prompt_len=70).max_new_tokens == 10  # room in max_model_len
+    greedy = parse_sampling({"temperature": 0, "top_k": -1}, cfg, prompt_len=10)
+    assert not greedy.do_sample and greedy.top_k is None
+    assert parse_sampling({"top_k": -1}, cfg, prompt_len=10).top_k == 0  # vLLM "off" -> HF "off"
+    with pytest.raises(ValueError, match="n=2"):
+        parse_sampling({"n": 2}, cfg, prompt_len=10)
+    with pytest.raises(ValueError, match="unsupported"):
+        parse_sampling({"best_of": 3}, cfg, prompt_len=10)
+    with pytest.raises(ValueError, match="no room"):
+        parse_sampling({}, cfg, prompt_len=80)
+
+
+def test_engine_weight_sync_is_all_or_error(tiny_model_path):
+    from recipe_hacpo.workers.hf_rollout import HFEngine
+
+    cfg = _rollout_config(load_format="dummy", max_model_len=128)
+    engine = HFEngine(cfg, _model_config(tiny_model_path), seed=0)
+    state = {k: v.detach().clone() + 0.01 for k, v in engine.model.state_dict().items()}
+    names = sorted(state)
+
+    engine.begin_weight_update()
+    engine.load_weights([(n, state[n]) for n in names[: len(names) // 2]])
+    with pytest.raises(KeyError, match="untouched"):
+        engine.finish_weight_update()
+
+    engine.begin_weight_update()
+    engine.load_weights([("not.a.weight", torch.zeros(1))])
+    engine.load_weights(list(state.items()))
+    with pytest.raises(KeyError, match="unknown"):
+        engine.finish_weight_update()
+
+    engine.begin_weight_update()
+    engine.load_weights(list(state.items()))
+    engine.finish_weight_update()
+    for name, tensor in engine.model.state_dict().items():
+        torch.testing.assert_close(tensor, state[name])
+
+
+# ---------------------------------------------------------------------------------------
+# 1. the server actor under Ray
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="class")
+def ray_local():
+    """A private local Ray cluster for one test class."""
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.fixture(scope="class")
+def server(ray_local, tiny_model_path):
+    """One HF rollout server actor, as `HFReplica.launch_servers` would start it."""
+    from recipe_hacpo.workers.hf_rollout import HFRolloutServer, server_actor_name
+    from verl.workers.rollout.replica import RolloutMode
+
+    cfg = _rollout_config(custom={"agent_name": "unit"}, engine_kwargs={"hf": {"batch_wait_ms": 20}})
+    name = server_actor_name(cfg, 0)
+    handle = (
+        ray_local.remote(HFRolloutServer)
+        .options(name=name, num_cpus=0)
+        .remote(
+            config=cfg,
+            model_config=_model_config(tiny_model_path),
+            rollout_mode=RolloutMode.HYBRID,
+            replica_rank=0,
+            name=name,
+        )
+    )
+    ray_local.get(handle.launch_server.remote())
+    return handle
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_path):
+    """The same checkpoint in this process, for forward-pass comparisons."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.float32, attn_implementation="sdpa")
+    return model.eval(), AutoTokenizer.from_pretrained(tiny_model_path)
+
+
+@pytest.mark.ray
+class TestHFRolloutServer:
+    def _generate(self, server, prompts, **params):
+        import ray
+
+        refs = [
+            server.generate.remote(prompt_ids=p, sampling_params=dict(params), request_id=str(i))
+            for i, p in enumerate(prompts)
+        ]
+        return ray.get(refs)
+
+    def test_sampled_logprobs_match_forward_pass(self, server, reference):
+        model, tok = reference
+        # Different prompt lengths, sent concurrently: they decode as one left-padded batch.
+        prompts = [_chat_ids(tok, t) for t in ("1+1=", "what is 12*7? think step by step", "hi")] * 2
+        outs = self._generate(server, prompts, temperature=0.8, top_p=1.0, top_k=-1, logprobs=True)
+        for prompt, out in zip(prompts, outs, strict=True):
+            assert out.token_ids and len(out.log_probs) == len(out.token_ids)
+            expected = _reference_token_scores(model, prompt, out.token_ids, temperature=0.8)
+            assert torch.allclose(torch.tensor(out.log_probs), expected, atol=1e-5), (out.log_probs, expected)
+
+    def test_greedy_is_deterministic_and_matches_argmax(self, server, reference):
+        model, tok = reference
+        prompts = [_chat_ids(tok, t) for t in ("2+2=", "count: 1 2 3")]
+        first = self._generate(server, prompts, temperature=0, logprobs=True, max_tokens=12)
+        second = self._generate(server, prompts[::-1], temperature=0, logprobs=True, max_tokens=12)[::-1]
+        assert [o.token_ids for o in first] == [o.token_ids for o in second]
+        for prompt, out in zip(prompts, first, strict=True):
+            ids = list(prompt)
+            for _ in range(len(out.token_ids)):
+                with torch.no_grad():
+                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            assert out.token_ids == ids[len(prompt) :]
+            # Greedy log-probs are the untempered distribution's.
+            expected = _reference_token_scores(model, prompt, out.token_ids, temperature=1.0)
+            assert torch.allclose(torch.tensor(out.log_probs), expected, atol=1e-5)
+
+    def test_sampling_knobs_are_honoured(self, server, reference):
+        _, tok = reference
+        prompt = [_chat_ids(tok, "7*6=")]
+        greedy = self._generate(server, prompt, temperature=0, max_tokens=10)[0].token_ids
+        assert self._generate(server, prompt, temperature=1.0, top_k=1, max_tokens=10)[0].token_ids == greedy
+        assert self._generate(server, prompt, temperature=1.0, top_p=1e-6, max_tokens=10)[0].token_ids == greedy
+        assert len(self._generate(server, prompt, temperature=1.0, max_tokens=3)[0].token_ids) == 3
+
+    def test_stop_reasons(self, server, reference):
+        _, tok = reference
+        prompt = [_chat_ids(tok, "9-4=")]
+        capped = self._generate(server, prompt, temperature=0, max_tokens=8)[0]
+        assert len(capped.token_ids) == 8
+        assert (capped.stop_reason, capped.extra_fields["finish_reason"]) == ("length", "length")
+
+        # A stop token takes the same path as EOS: kept as the last token, reason "completed".
+        stop_at = capped.token_ids[3]
+        stopped = self._generate(server, prompt, temperature=0, max_tokens=8, stop_token_ids=[stop_at])[0]
+        assert stopped.token_ids == capped.token_ids[: capped.token_ids.index(stop_at) + 1]
+        assert (stopped.stop_reason, stopped.extra_fields["finish_reason"]) == ("completed", "stop")
+
+    def test_eos_ids_cover_tokenizer_and_generation_config(self, tiny_model_path):
+        from recipe_hacpo.workers.hf_rollout import _eos_ids
+
+        mc = _model_config(tiny_model_path)
+        assert mc.tokenizer.eos_token_id in _eos_ids(mc)
+
+    def test_sleep_blocks_generation_until_wake(self, server, reference):
+        import ray
+
+        _, tok = reference
+        prompt = _chat_ids(tok, "x")
+        ray.get(server.sleep.remote())
+        with pytest.raises(ray.exceptions.RayTaskError, match="released"):
+            ray.get(server.generate.remote(prompt_ids=prompt, sampling_params={"max_tokens": 2}, request_id="s"))
+        ray.get(server.wake_up.remote(tags=["weights"]))
+        ray.get(server.wake_up.remote(tags=["kv_cache"]))
+        assert len(self._generate(server, [prompt], max_tokens=2)[0].token_ids) >= 1
+
+    def test_reward_loop_managers_are_per_agent(self, ray_local, tmp_path_factory):
+        """Two agents, two tokenizers: each agent's reward workers decode with its own."""
+        from recipe_hacpo.workers.verl_touchpoints import AgentRewardLoopManager
+
+        root = tmp_path_factory.mktemp("reward_agents")
+        reward_path = root / "reward_fn.py"
+        reward_path.write_text(REWARD_SOURCE)
+        managers = {}
+        for agent, kind in (("alice", "qwen2-char-small"), ("bob", "llama-pair-medium")):
+            path = tiny_agents.build_agent(str(root), kind)
+            cfg = compose_ppo_config(
+                [
+                    f"actor_rollout_ref.model.path={path}",
+                    "actor_rollout_ref.rollout.name=hf",
+                    f"+actor_rollout_ref.rollout.custom.agent_name={agent}",
+                    f"reward.custom_reward_function.path={reward_path}",
+                    "reward.num_workers=1",
+                ]
+            )
+            managers[agent] = (AgentRewardLoopManager(cfg), path)
+        for agent, (manager, path) in managers.items():
+            worker = ray_local.get_actor(f"reward_loop_worker_{agent}_0")
+            seen = ray_local.get(worker.__ray_call__.remote(lambda w: w.input_tokenizer.name_or_path))
+            assert os.path.samefile(seen, path)
+            assert manager.reward_loop_workers[0]._actor_id == worker._actor_id
+
+
+# ---------------------------------------------------------------------------------------
+# 2. unmodified verl main_ppo, 2 GSPO steps on CPU
+# ---------------------------------------------------------------------------------------
+
+REWARD_SOURCE = textwrap.dedent(
+    """
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+        # Dense and non-constant on random text, so GRPO advantages are non-zero.
+        if not solution_str:
+            return 0.0
+        return sum(c.isdigit() for c in solution_str) / len(solution_str)
+    """
+)
+
+
+def _write_parquet(path: str, n: int, split: str) -> None:
+    import pandas as pd
+
+    rows = [
+        {
+            "data_source": "tiny_arith",
+            "prompt": [{"role": "user", "content": f"{i + 2}+{3 * i + 1}="}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(4 * i + 3)},
+            "extra_info": {"index": i, "split": split},
+        }
+        for i in range(n)
+    ]
+    pd.DataFrame(rows).to_parquet(path)
+
+
+_STEP_LINE = re.compile(r"step:(\d+) - (.*)")
+_METRIC = re.compile(r"([\w/@.\-]+):(?:np\.\w+\()?(-?(?:\d+\.?\d*(?:e[+-]?\d+)?|nan|inf))")
+
+
+def _parse_steps(log: str) -> dict[int, dict[str, float]]:
+    steps: dict[int, dict[str, float]] = {}
+    for line in log.splitlines():
+        match = _STEP_LINE.search(line)
+        if match:
+            steps[int(match.group(1))] = {k: float(v) for k, v in _METRIC.findall(match.group(2))}
+    return steps
+
+
+def _load_safetensors(path: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(path)
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(420)
+def test_main_ppo_trains_two_gspo_steps_with_hf_rollout(tmp_path, tiny_model_path):
+    train, val = str(tmp_path / "train.parquet"), str(tmp_path / "val.parquet")
+    _write_parquet(train, 16, "train")
+    _write_parquet(val, 4, "test")
+    reward_path = tmp_path / "reward_fn.py"
+    reward_path.write_text(REWARD_SOURCE)
+
+    overrides = ppo_overrides(tiny_model_path, train, val, str(reward_path), str(tmp_path))
+    overrides += [
+        # Exercise the per-agent server name (replica and adapter must agree on it).
+        "+actor_rollout_ref.rollout.custom.agent_name=solo",
+        # Save the actor as HF weights at the last step to compare with the start.
+        "trainer.save_freq=2",
+        "actor_rollout_ref.actor.checkpoint.save_contents=[hf_model]",
+        "+ray_kwargs.ray_init.address=local",
+    ]
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "verl.trainer.main_ppo", *overrides],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=400,
+    )
+    log = proc.stdout
+    assert proc.returncode == 0, log[-6000:]
+
+    steps = _parse_steps(log)
+    assert set(steps) >= {1, 2}, log[-4000:]
+    for step in (1, 2):
+        m = steps[step]
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "critic/score/mean"):
+            assert math.isfinite(m[key]), (step, key, m.get(key))
+        assert m["actor/grad_norm"] > 0
+        # Rollout log-probs (hf server) vs the FSDP actor's recomputation: equal only if the
+        # weight sync delivered the actor's current weights (the rollout starts random).
+        assert m["training/rollout_probs_diff_max"] < 1e-4, m["training/rollout_probs_diff_max"]
+
+    saved = _load_safetensors(str(tmp_path / "ckpt" / "global_step_2" / "actor" / "huggingface" / "model.safetensors"))
+    initial = _load_safetensors(os.path.join(tiny_model_path, "model.safetensors"))
+    moved = 0.0
+    for name, tensor in initial.items():
+        assert torch.isfinite(saved[name]).all(), name
+        moved = max(moved, (saved[name].float() - tensor.float()).abs().max().item())
+    assert moved > 1e-6, "actor weights did not change"
+    json.dumps(steps)  # metrics are plain floats
