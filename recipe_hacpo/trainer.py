@@ -19,7 +19,6 @@ workers); agents on the shared pool take turns.
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import os
 import shutil
 import time
@@ -36,6 +35,15 @@ from recipe_hacpo.agent_runtime import AgentRuntime
 from recipe_hacpo.config import AgentSpec, HacpoSettings, agent_verl_config
 from recipe_hacpo.core_algos import CapabilityTracker, capability_ratio, compute_hacpo_advantage
 from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
+from recipe_hacpo.reliability import (
+    AgentError,
+    CheckpointError,
+    check_learner_batch,
+    check_update_metrics,
+    checkpoint_problem,
+    describe_failure,
+    find_resume_checkpoint,
+)
 from recipe_hacpo.scoring import Verifier, attach_rewards, load_reward_fn
 from verl import DataProto
 
@@ -110,15 +118,17 @@ class HacpoTrainer:
 
     def _each(self, fn: Callable[[AgentRuntime], T]) -> dict[str, T]:
         """Run `fn` for every agent: concurrently across own pools, in turn on the shared pool."""
-        own = {n: a for n, a in self.agents.items() if not a.spec.uses_shared_pool}
-        futures = {n: self._pool.submit(fn, a) for n, a in own.items()}
-        results = {n: fn(a) for n, a in self.agents.items() if a.spec.uses_shared_pool}
-        for name, fut in futures.items():
+        futures = {n: self._pool.submit(fn, a) for n, a in self.agents.items() if not a.spec.uses_shared_pool}
+        calls = {n: (lambda a=a: fn(a)) for n, a in self.agents.items() if a.spec.uses_shared_pool}
+        calls.update({n: fut.result for n, fut in futures.items()})
+        results = {}
+        for name in self.agents:
             try:
-                results[name] = fut.result()
+                results[name] = calls[name]()
             except Exception as exc:
-                raise RuntimeError(f"agent {name!r}: {type(exc).__name__}: {exc}") from exc
-        return {n: results[n] for n in self.agents}
+                # a failed Ray call says which actor died, not which agent it served
+                raise AgentError(name, describe_failure(exc)) from exc
+        return results
 
     # ================================================================== one step (spec §7)
     def train_step(self, batch_dict: dict) -> dict[str, float]:
@@ -236,12 +246,13 @@ class HacpoTrainer:
         def rows_per_prompt(spec: AgentSpec) -> int:
             return sum(s.rollout_n for s in self.specs) if self.hacpo.shares else spec.rollout_n
 
+        for name, batch in batches.items():
+            check_learner_batch(name, batch, self.global_step)
         self._dump_learner_batches(batches)
         out = self._each(lambda a: a.update(batches[a.spec.name], rows_per_prompt(a.spec)))
         for name, agent_metrics in out.items():
+            agent_metrics.update(check_update_metrics(name, agent_metrics))
             for key, value in agent_metrics.items():
-                if not np.isfinite(value) and key.endswith("loss"):
-                    raise FloatingPointError(f"agent {name!r}: {key} is {value}")
                 # verl's worker reports loss, grad_norm, lr, perf/... bare; group them under actor/
                 group = key if key.startswith(("actor/", "hacpo/")) else f"actor/{key}"
                 metrics[f"agent/{name}/{group}"] = value
@@ -306,6 +317,7 @@ class HacpoTrainer:
         torch.save(state, os.path.join(tmp, STATE_FILE))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
+        _fsync_dir(self.checkpoint_root)
         _atomic_write(os.path.join(self.checkpoint_root, LATEST_FILE), str(self.global_step))
         return final
 
@@ -314,20 +326,26 @@ class HacpoTrainer:
         mode = str(self.config.trainer.resume_mode)
         if mode == "disable":
             return False
+        names = [s.name for s in self.specs]
         if mode == "resume_path":
             path = str(self.config.trainer.resume_from_path)
+            problem = checkpoint_problem(path, names)
+            if problem is not None:
+                raise CheckpointError(f"trainer.resume_from_path={path!r}: {problem}; not a complete HACPO checkpoint")
         else:
-            latest = os.path.join(self.checkpoint_root, LATEST_FILE)
-            if not os.path.isfile(latest):
+            # the newest complete checkpoint: torn ones (killed mid-write) are never loaded
+            choice = find_resume_checkpoint(self.checkpoint_root, names)
+            for torn in choice.skipped:
+                print(f"WARN: skipping incomplete checkpoint {torn}", flush=True)
+            if choice.path is None:
                 return False
-            path = os.path.join(self.checkpoint_root, f"global_step_{int(open(latest).read().strip())}")
-        state_file = os.path.join(path, STATE_FILE)
-        if not os.path.isfile(state_file):
-            raise FileNotFoundError(f"checkpoint {path}: {STATE_FILE} missing; not a complete HACPO checkpoint")
-        state = torch.load(state_file, weights_only=False)
-        names = [s.name for s in self.specs]
+            path = choice.path
+        try:
+            state = torch.load(os.path.join(path, STATE_FILE), weights_only=False)
+        except Exception as exc:
+            raise CheckpointError(f"checkpoint {path}: {STATE_FILE} unreadable ({type(exc).__name__}: {exc})") from exc
         if state["agents"] != names:
-            raise ValueError(f"checkpoint {path}: agents {state['agents']} differ from this run's {names}")
+            raise CheckpointError(f"checkpoint {path}: agents {state['agents']} differ from this run's {names}")
         for name, agent in self.agents.items():
             agent.load(os.path.join(path, name))
         self.tracker.load_state_dict(state["tracker"])
@@ -343,7 +361,6 @@ class HacpoTrainer:
 
         t = self.config.trainer
         resumed = self.load_checkpoint()
-        self.sync_weights()
         if t.get("val_before_train", True) and not resumed:
             logger.log(data=self.validate(), step=self.global_step)
         last: dict[str, float] = {}
@@ -410,6 +427,20 @@ def _timer(name: str, timing: dict):
     timing[name] = time.perf_counter() - start
 
 
+def _fsync_dir(path: str) -> None:
+    """Make a rename inside `path` durable (no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def _atomic_write(path: str, text: str) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
@@ -418,8 +449,3 @@ def _atomic_write(path: str, text: str) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
 
-
-def checkpoint_summary(path: str) -> dict:
-    """What a checkpoint holds (for tests and humans)."""
-    state = torch.load(os.path.join(path, STATE_FILE), weights_only=False)
-    return {"global_step": state["global_step"], "agents": state["agents"], "tracker": json.loads(json.dumps(state["tracker"]))}

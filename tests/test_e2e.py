@@ -208,3 +208,21 @@ def test_baseline_modes(tmp_path, warm_agent_paths, mode):
             assert steps[2][f"agent/{name}/omega/{peer}"] == 1.0
     for kind, name in zip(kinds, names):
         assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
+
+
+def test_agents_sharing_one_pool_take_turns(tmp_path, warm_agent_paths):
+    """n_gpus_per_node=0: both agents' workers on trainer.n_gpus_per_node bundles, phases in turn."""
+    kinds = ["qwen2-char-small", "llama-pair-medium"]
+    records = run_main(
+        str(tmp_path),
+        agent_overrides(warm_agent_paths, kinds)
+        + ["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0", "trainer.n_gpus_per_node=1",
+           "ray_kwargs.ray_init.num_gpus=1", "trainer.total_training_steps=2", "trainer.save_freq=2",
+           "trainer.test_freq=-1", "trainer.val_before_train=false"],
+    )
+    steps = train_steps(records)
+    names = ["qwen_char", "llama_pair"]
+    assert_finite_losses(steps, names)
+    for kind, name in zip(kinds, names):
+        assert steps[2][f"agent/{name}/cross/rows"] == 32
+        assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
