@@ -170,16 +170,21 @@ def test_resume_continues_from_checkpoint(hacpo_run, warm_agent_paths):
 
 
 # ----------------------------------------------------------------------------- 3 agents, other modes
-def test_three_agents(tmp_path, warm_agent_paths):
+def test_three_agents_with_kl_to_reference(tmp_path, warm_agent_paths):
     kinds = ["qwen2-char-small", "qwen2-char-medium", "llama-pair-medium"]
     records = run_main(
         str(tmp_path),
         agent_overrides(warm_agent_paths, kinds)
-        + ["trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false"],
+        + ["trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
+           "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01"],
     )
     steps = train_steps(records)
     names = ["qwen_char", "qwen_mid", "llama_pair"]
     assert_finite_losses(steps, names)
+    for name in names:
+        # every learner's batch (own and cross rows) was scored by its own reference model
+        assert math.isfinite(steps[2][f"agent/{name}/actor/kl_loss"]) and steps[2][f"agent/{name}/actor/kl_loss"] >= 0
+    assert steps[2]["timing_s/ref"] > 0
     for name in names:
         # each learner sees both peers: 2 × 8 prompts × 4 responses
         assert steps[2][f"agent/{name}/cross/rows"] == 64
