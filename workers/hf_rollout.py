@@ -100,6 +100,10 @@ _IGNORED_KEYS = frozenset(
 )
 
 
+class HFRolloutUnsupported(ValueError):
+    """A request or setting the hf backend does not serve (it says which, and what to use)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Sampling:
     """Everything that decides how a request is decoded; requests with equal records batch together."""
@@ -485,7 +489,7 @@ class HFRolloutServer:
         **kwargs,
     ) -> TokenOutput:
         if image_data or video_data or audio_data:
-            raise NotImplementedError("hf rollout is text-only")
+            raise HFRolloutUnsupported("hf rollout is text-only")
         prompt_ids = [int(t) for t in prompt_ids]
         if not prompt_ids:
             raise ValueError("empty prompt")
@@ -655,7 +659,7 @@ class HFReplica(RolloutReplica):
 
     async def launch_servers(self) -> None:
         if self.nnodes != 1:
-            raise NotImplementedError("an hf replica runs in one process; keep tp*dp*pp within one node")
+            raise HFRolloutUnsupported("an hf replica runs in one process; keep tp*dp*pp within one node")
         if not self.workers:
             raise RuntimeError("hf replica has no workers to colocate with")
         node_id = await self.workers[0].__ray_call__.remote(lambda self: ray.get_runtime_context().get_node_id())
@@ -753,9 +757,9 @@ class HFServerAdapter(BaseRollout):
         **kwargs,
     ):
         if wire_format != "named_tensors":
-            raise NotImplementedError(f"hf rollout takes full tensors only; got wire_format={wire_format!r}")
+            raise HFRolloutUnsupported(f"hf rollout takes full tensors only; got wire_format={wire_format!r}")
         if peft_config is not None:
-            raise NotImplementedError(
+            raise HFRolloutUnsupported(
                 "hf rollout has no LoRA adapter path; set actor_rollout_ref.model.lora.merge=True"
             )
         server = self._server()
@@ -778,4 +782,4 @@ class HFServerAdapter(BaseRollout):
             logger.info("hf update_weights replica %d: %.2fs", self.replica_rank, time.time() - start)
 
     def generate_sequences(self, prompts):
-        raise NotImplementedError("hf rollout generates through its server (agent loop), not in the worker")
+        raise HFRolloutUnsupported("hf rollout generates through its server (agent loop), not in the worker")
