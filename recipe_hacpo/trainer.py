@@ -69,6 +69,7 @@ class HacpoTrainer:
             len(specs), window=hacpo.window, floor=hacpo.capability_floor, omega_clip=hacpo.omega_clip
         )
         self.global_step = 0
+        self.agent_timing: dict[str, float] = {}
         self.verifier = Verifier(load_reward_fn(config), timeout_s=float(config.trainer.get("reward_timeout_s", 30)))
         self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(specs)), thread_name_prefix="hacpo-agent")
 
@@ -116,10 +117,21 @@ class HacpoTrainer:
                 )
         return out
 
-    def _each(self, fn: Callable[[AgentRuntime], T]) -> dict[str, T]:
-        """Run `fn` for every agent: concurrently across own pools, in turn on the shared pool."""
-        futures = {n: self._pool.submit(fn, a) for n, a in self.agents.items() if not a.spec.uses_shared_pool}
-        calls = {n: (lambda a=a: fn(a)) for n, a in self.agents.items() if a.spec.uses_shared_pool}
+    def _each(self, fn: Callable[[AgentRuntime], T], phase: str | None = None) -> dict[str, T]:
+        """Run `fn` for every agent: concurrently across own pools, in turn on the shared pool.
+
+        With `phase`, each agent's own time is recorded as `agent/<name>/timing_s/<phase>`.
+        """
+
+        def timed(agent: AgentRuntime) -> T:
+            start = time.perf_counter()
+            out = fn(agent)
+            if phase:
+                self.agent_timing[f"agent/{agent.spec.name}/timing_s/{phase}"] = time.perf_counter() - start
+            return out
+
+        futures = {n: self._pool.submit(timed, a) for n, a in self.agents.items() if not a.spec.uses_shared_pool}
+        calls = {n: (lambda a=a: timed(a)) for n, a in self.agents.items() if a.spec.uses_shared_pool}
         calls.update({n: fut.result for n, fut in futures.items()})
         results = {}
         for name in self.agents:
@@ -134,6 +146,7 @@ class HacpoTrainer:
     def train_step(self, batch_dict: dict) -> dict[str, float]:
         metrics: dict[str, float] = {}
         timing: dict[str, float] = {}
+        self.agent_timing = {}
         prompts = self._prompt_batch(batch_dict)
         with _timer("gen", timing):
             rollouts = self.generate(prompts)
@@ -154,6 +167,7 @@ class HacpoTrainer:
         with _timer("update_weights", timing):
             self.sync_weights()
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
+        metrics.update(self.agent_timing)
         return metrics
 
     def _prompt_batch(self, batch_dict: dict) -> DataProto:
@@ -164,7 +178,7 @@ class HacpoTrainer:
 
     # ------------------------------------------------------------------ 1 generate
     def generate(self, prompts: DataProto) -> dict[str, DataProto]:
-        return self._each(lambda a: a.generate(prompts, step=self.global_step))
+        return self._each(lambda a: a.generate(prompts, step=self.global_step), phase="gen")
 
     # ------------------------------------------------------------------ 2 score
     def score(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
@@ -180,7 +194,7 @@ class HacpoTrainer:
 
     # ------------------------------------------------------------------ 3 old log-probs
     def old_log_probs(self, rollouts: dict[str, DataProto]) -> None:
-        old = self._each(lambda a: a.old_log_prob(rollouts[a.spec.name]))
+        old = self._each(lambda a: a.old_log_prob(rollouts[a.spec.name]), phase="old_log_prob")
         for name, batch in rollouts.items():
             lp = old[name]
             if not torch.isfinite(lp[batch.batch["response_mask"].bool()]).all():
@@ -237,7 +251,7 @@ class HacpoTrainer:
             metrics[f"agent/{learner.name}/advantage/abs_mean"] = float(adv.abs().mean())
 
     def ref_log_probs(self, batches: dict[str, DataProto]) -> None:
-        ref = self._each(lambda a: a.ref_log_prob(batches[a.spec.name]) if a.use_ref else None)
+        ref = self._each(lambda a: a.ref_log_prob(batches[a.spec.name]) if a.use_ref else None, phase="ref")
         for name, lp in ref.items():
             if lp is not None:
                 batches[name].batch["ref_log_prob"] = lp
@@ -249,7 +263,7 @@ class HacpoTrainer:
         for name, batch in batches.items():
             check_learner_batch(name, batch, self.global_step)
         self._dump_learner_batches(batches)
-        out = self._each(lambda a: a.update(batches[a.spec.name], rows_per_prompt(a.spec)))
+        out = self._each(lambda a: a.update(batches[a.spec.name], rows_per_prompt(a.spec)), phase="update_actor")
         for name, agent_metrics in out.items():
             agent_metrics.update(check_update_metrics(name, agent_metrics))
             for key, value in agent_metrics.items():
@@ -270,7 +284,7 @@ class HacpoTrainer:
 
     # ------------------------------------------------------------------ 5 sync
     def sync_weights(self) -> None:
-        self._each(lambda a: a.sync_weights(self.global_step))
+        self._each(lambda a: a.sync_weights(self.global_step), phase="update_weights")
 
     # ================================================================== validation
     def validate(self) -> dict[str, float]:
