@@ -45,6 +45,19 @@ Touchpoints (private or unversioned contracts):
    collides. Sharing one manager is wrong for heterogeneous agents: each `RewardLoopWorker`
    decodes response token ids with `config.actor_rollout_ref.model`'s tokenizer.
    `AgentRewardLoopManager` overrides that method to name the workers per agent.
+8. vLLM naming hooks (`rollout.name=hacpo_vllm`, `workers/vllm_rollout.py`):
+   `verl/workers/rollout/vllm_rollout/vllm_async_server.py::vLLMReplica._get_server_name_prefix`
+   (read by `launch_servers`) and `vLLMReplica.server_class` (set in `__init__`);
+   `vLLMHttpServer.__init__` exporting `VERL_RAY_JOB_ID`, which
+   `verl/workers/rollout/vllm_rollout/utils.py::vLLMColocateWorkerExtension._get_zmq_handle`
+   reads in vLLM's worker subprocess; `verl/workers/rollout/vllm_rollout/vllm_rollout.py::
+   ServerAdapter._get_server_name_prefix`, `.zmq_handle` (built in `__init__` from the Ray
+   job id) and `.rollout_rank` / `.replica_rank`. The socket format
+   `ipc:///tmp/rl-colocate-zmq-{job}-replica-{r}-rank-{l}.sock` is duplicated in
+   `vllm_rollout.zmq_handle`. verl compares `rollout.name` with the literal "vllm" in
+   `verl/workers/config/rollout.py`, `verl/checkpoint_engine/base.py`,
+   `verl/workers/rollout/llm_server.py` and `verl/utils/config.py` (see the limits listed in
+   `vllm_rollout`'s docstring).
 
 Public registrations done from here as well, to keep all of verl's registries in one file:
 `verl/workers/rollout/replica.py::RolloutReplicaRegistry.register` (public classmethod) and
@@ -77,6 +90,31 @@ def register_hf_rollout() -> None:
     RolloutReplicaRegistry.register(HF_BACKEND, _load_hf_replica)
     # Touchpoint 1 (private): no public registration API for adapters in verl 0.9.1.
     rollout_base._ROLLOUT_REGISTRY[(HF_BACKEND, "async")] = HF_ADAPTER_FQN
+
+
+VLLM_BACKEND = "hacpo_vllm"
+VLLM_ADAPTER_FQN = "recipe_hacpo.workers.vllm_rollout.HacpoVLLMServerAdapter"
+
+
+def _load_vllm_replica():
+    # Deferred: resolving the class imports vLLM and verl's vLLM modules, which only exist
+    # where `rollout.name=hacpo_vllm` is actually used (GPU machines).
+    from recipe_hacpo.workers.vllm_rollout import HacpoVLLMReplica
+
+    return HacpoVLLMReplica
+
+
+def register_hacpo_vllm_rollout() -> None:
+    """Make `actor_rollout_ref.rollout.name=hacpo_vllm` resolvable: verl's vLLM with per-agent names.
+
+    Touchpoints 1 and 8. Registration imports nothing from vLLM: the replica is a loader
+    and the adapter a dotted path, both resolved only when a rollout of that name is built.
+    """
+    from verl.workers.rollout import base as rollout_base
+    from verl.workers.rollout.replica import RolloutReplicaRegistry
+
+    RolloutReplicaRegistry.register(VLLM_BACKEND, _load_vllm_replica)
+    rollout_base._ROLLOUT_REGISTRY[(VLLM_BACKEND, "async")] = VLLM_ADAPTER_FQN
 
 
 def hf_rollout_registered() -> bool:
