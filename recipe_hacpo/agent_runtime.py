@@ -104,10 +104,9 @@ class AgentRuntime:
             # a sleeping replica has dropped its weights: waking it means syncing them again
             self.sync_weights(step)
         out = self.agent_loop.generate_sequences(batch)
-        if not validate:
-            # free the rollout's memory for the training phases that follow
-            self.checkpoint_manager.sleep_replicas()
-            self._rollout_awake = False
+        # free the rollout's memory for the phases (and agents on a shared pool) that follow
+        self.checkpoint_manager.sleep_replicas()
+        self._rollout_awake = False
         timing = out.meta_info.pop("timing", {})
         out.meta_info["agent_loop_timing"] = timing
         # log-probs are computed at the sampling temperature (verl reads it from meta_info)

@@ -10,7 +10,9 @@
 replaces one (names: math500, math, gsm8k, aime25, amc23, minerva, olympiadbench; any other
 name becomes an extra column).
 
-Checkpoints (`--checkpoint NAME=PATH`, one table row each, in the order given):
+Checkpoints (`--checkpoint NAME=PATH`, one table row each, in the order given; `--agents-from
+[PREFIX=]DIR` adds a row for every agent of a trainer checkpoint, DIR being `global_step_N` or
+the checkpoint root, whose latest step is taken):
   - a Hugging Face model dir (config.json + safetensors/bin weights), or a hub id already in
     the local Hugging Face cache;
   - a trainer checkpoint of one agent, `global_step_N/<agent>` or `global_step_N/<agent>/actor`:
@@ -254,6 +256,29 @@ def resolve_checkpoint(path: str, work_dir: str) -> str:
     return merge_fsdp_checkpoint(actor, work_dir)
 
 
+def agent_checkpoints(spec: str) -> list[tuple[str, str]]:
+    """(row name, path) for every agent of a trainer checkpoint: `[PREFIX=]DIR`, DIR a
+    `global_step_N` folder or the checkpoint root (its latest_checkpointed_iteration.txt picks N)."""
+    prefix, sep, path = spec.partition("=")
+    if not sep:
+        prefix, path = "", spec
+    step_dir = path
+    latest = os.path.join(path, "latest_checkpointed_iteration.txt")
+    if os.path.isfile(latest):
+        with open(latest) as f:
+            step_dir = os.path.join(path, f"global_step_{int(f.read().strip())}")
+    if not os.path.isdir(step_dir):
+        raise EvalError(f"--agents-from {spec}: no such directory {step_dir}")
+    agents = sorted(d for d in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, d, "actor")))
+    if not agents:
+        raise EvalError(f"--agents-from {spec}: no <agent>/actor folders in {step_dir} (expected a trainer checkpoint)")
+    return [(f"{prefix}/{a}" if prefix else a, os.path.join(step_dir, a)) for a in agents]
+
+
+def _path_name(name: str) -> str:
+    return re.sub(r"[^\w.-]+", "_", name)
+
+
 def _hub_cached(repo_id: str) -> bool:
     try:
         from huggingface_hub import try_to_load_from_cache
@@ -376,6 +401,7 @@ class GenOptions:
     tensor_parallel_size: int = 1
     gpu_memory_utilization: float = 0.85
     seed: int = 0
+    chat_template_kwargs: tuple[tuple[str, object], ...] = ()
 
 
 class Generator(Protocol):
@@ -385,8 +411,8 @@ class Generator(Protocol):
     def close(self) -> None: ...
 
 
-def _chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def _chat_ids(tokenizer, messages: list[dict], template_kwargs: tuple = ()) -> list[int]:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **dict(template_kwargs))
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -427,7 +453,8 @@ class HFGenerator:
         torch.manual_seed(seed)
         out: list[list[str]] = []
         for start in range(0, len(prompts), self.opts.batch_size):
-            ids = [_chat_ids(self.tokenizer, m) for m in prompts[start : start + self.opts.batch_size]]
+            batch = prompts[start : start + self.opts.batch_size]
+            ids = [_chat_ids(self.tokenizer, m, self.opts.chat_template_kwargs) for m in batch]
             width = max(len(x) for x in ids)
             input_ids = torch.tensor([[self.pad] * (width - len(x)) + x for x in ids], device=self.device)
             mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids], device=self.device)
@@ -486,7 +513,7 @@ class VLLMGenerator:
             max_tokens=self.opts.max_new_tokens,
             seed=seed,
         )
-        inputs = [{"prompt_token_ids": _chat_ids(self.tokenizer, m)} for m in prompts]
+        inputs = [{"prompt_token_ids": _chat_ids(self.tokenizer, m, self.opts.chat_template_kwargs)} for m in prompts]
         too_long = [i for i, x in enumerate(inputs) if len(x["prompt_token_ids"]) > self.opts.max_prompt_length]
         if too_long:
             raise EvalError(
@@ -510,7 +537,7 @@ def pick_backend(backend: str) -> str:
         raise EvalError(f"--backend {backend}: expected auto, vllm or hf")
     if backend != "auto":
         if backend == "vllm" and importlib.util.find_spec("vllm") is None:
-            raise EvalError("--backend vllm: vllm is not installed (pip install 'recipe-hacpo[gpu]') ; or use --backend hf")
+            raise EvalError("--backend vllm: vllm is not installed (pip install 'recipe-hacpo[gpu]'); or use --backend hf")
         return backend
     import torch
 
@@ -558,7 +585,7 @@ def evaluate(
     results: dict[str, dict] = {}
     os.makedirs(out_dir, exist_ok=True)
     for name, path in checkpoints:
-        model_dir = resolve_checkpoint(path, os.path.join(out_dir, "models", name))
+        model_dir = resolve_checkpoint(path, os.path.join(out_dir, "models", _path_name(name)))
         log(f"[{name}] {model_dir} ({backend})")
         generator = make_generator(backend, model_dir, opts)
         results[name] = {}
@@ -584,13 +611,23 @@ def evaluate(
                     "temperature": temperature,
                     "file": bench.path,
                 }
-                _write_samples(os.path.join(out_dir, "samples", name, f"{bench.key}.jsonl"), rows, responses, scores)
+                _write_samples(
+                    os.path.join(out_dir, "samples", _path_name(name), f"{_path_name(bench.key)}.jsonl"), rows, responses, scores
+                )
                 log(f"[{name}] {bench.label}: {bench.metric} = {metrics[str(bench.metric)]:.4f} ({len(rows)} prompts, {time.monotonic() - start:.0f} s)")
+                # kept current, so an interrupted run keeps what it finished
+                _write_json(os.path.join(out_dir, "metrics.json"), results)
         finally:
             generator.close()
-    with open(os.path.join(out_dir, "metrics.json"), "w") as f:
-        json.dump(results, f, indent=2)
+    _write_json(os.path.join(out_dir, "metrics.json"), results)
     return results
+
+
+def _write_json(path: str, data) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
 
 
 def _write_samples(path: str, rows, responses, scores) -> None:
@@ -706,7 +743,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m recipe_hacpo.evaluate",
         description="Evaluate checkpoints on math benchmarks; write Table 1 (markdown + CSV).",
     )
-    parser.add_argument("--checkpoint", action="append", required=True, metavar="NAME=PATH", help="a table row (repeat)")
+    parser.add_argument("--checkpoint", action="append", metavar="NAME=PATH", help="a table row (repeat)")
+    parser.add_argument(
+        "--agents-from", action="append", metavar="[PREFIX=]DIR",
+        help="one row per agent of a trainer checkpoint (global_step_N, or the root: latest step)",
+    )
     parser.add_argument("--bench", action="append", metavar="NAME=FILE", help="a benchmark parquet file (repeat)")
     parser.add_argument("--bench-dir", help="pick up <benchmark>_test.parquet files from recipe_hacpo.data.prepare")
     parser.add_argument("--out", required=True, help="output directory")
@@ -725,10 +766,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vllm")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--chat-template-kwargs", default="{}", metavar="JSON",
+        help='extra chat template arguments, as in training (e.g. \'{"enable_thinking": false}\')',
+    )
     parser.add_argument("--percent", action="store_true", help="markdown values as percentages")
     args = parser.parse_args(argv)
     try:
         checkpoints = _pairs(args.checkpoint, "--checkpoint")
+        for spec in args.agents_from or []:
+            checkpoints += agent_checkpoints(spec)
+        if not checkpoints:
+            raise EvalError("nothing to evaluate: give --checkpoint NAME=PATH or --agents-from DIR")
         names = [n for n, _ in checkpoints]
         dup = next((n for n in names if names.count(n) > 1), None)
         if dup:
@@ -738,6 +787,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.max_new_tokens < 1 or args.batch_size < 1:
             raise EvalError("--max-new-tokens and --batch-size must be >= 1")
         benchmarks = build_benchmarks(args.bench, args.bench_dir, args.metric, args.samples)
+        try:
+            template_kwargs = json.loads(args.chat_template_kwargs)
+        except json.JSONDecodeError as e:
+            raise EvalError(f"--chat-template-kwargs: not JSON ({e.msg})") from None
+        if not isinstance(template_kwargs, dict):
+            raise EvalError("--chat-template-kwargs: expected a JSON object")
         opts = GenOptions(
             backend=args.backend,
             temperature=args.temperature,
@@ -751,6 +806,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
             gpu_memory_utilization=args.gpu_memory_utilization,
             seed=args.seed,
+            chat_template_kwargs=tuple(template_kwargs.items()),
         )
         results = evaluate(checkpoints, benchmarks, args.out, opts, limit=args.limit)
     except EvalError as err:

@@ -9,25 +9,70 @@ Exit status 0 once the cluster has at least that many GPUs on at least that many
 from __future__ import annotations
 
 import argparse
+import os
+import socket
+import subprocess
 import sys
 import time
 from typing import Callable
 
 
-def probe_cluster(address: str) -> tuple[int, int]:
-    """(GPUs, live nodes) the cluster at `address` reports now; (0, 0) while it is unreachable."""
+_reported: set[str] = set()
+
+
+def _report(message: str) -> None:
+    if message not in _reported:
+        print(message, file=sys.stderr, flush=True)
+        _reported.add(message)
+
+
+def _port_open(address: str, timeout_s: float = 2.0) -> bool:
+    """Whether HOST:PORT (or [IPv6]:PORT) accepts TCP connections; True for 'auto'."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        return True
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except OSError:
+        return False
+
+
+def probe_cluster(address: str, timeout_s: float = 60.0) -> tuple[int, int]:
+    """(GPUs, live nodes) the cluster at `address` reports now; (0, 0) while it is unreachable.
+
+    The Ray client runs in a child process with a deadline: `ray.init` keeps retrying for a
+    long time against a head that is not up.
+    """
+    if not _port_open(address):
+        _report(f"{address}: not accepting connections yet")
+        return 0, 0
+    try:
+        proc = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--probe", "--address", address],
+            capture_output=True, text=True, timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        _report(f"{address}: ray.init did not connect within {timeout_s:g} s")
+        return 0, 0
+    fields = proc.stdout.split()
+    if proc.returncode != 0 or len(fields) < 2:
+        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        _report(f"{address}: probe failed: {tail}")
+        return 0, 0
+    return int(fields[-2]), int(fields[-1])
+
+
+def _probe_here(address: str) -> None:
     import ray
 
-    try:
-        ray.init(address=address, logging_level="ERROR", log_to_driver=False, include_dashboard=False)
-    except Exception:
-        return 0, 0
+    ray.init(address=address, logging_level="ERROR", log_to_driver=False)
     try:
         gpus = int(ray.cluster_resources().get("GPU", 0))
         nodes = sum(1 for node in ray.nodes() if node.get("Alive"))
-        return gpus, nodes
     finally:
         ray.shutdown()
+    print(gpus, nodes)
 
 
 def wait_for(
@@ -38,7 +83,7 @@ def wait_for(
     probe: Callable[[], tuple[int, int]],
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> tuple[int, int]:
     """Poll `probe` until it reports >= `gpus` GPUs and >= `nodes` nodes; TimeoutError after `timeout_s`."""
     deadline = clock() + timeout_s
@@ -62,12 +107,16 @@ def wait_for(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--address", required=True, help="head node HOST:PORT (or 'auto')")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs the cluster must report")
+    parser.add_argument("--gpus", type=int, help="GPUs the cluster must report")
     parser.add_argument("--nodes", type=int, default=1, help="live nodes the cluster must report")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before giving up")
     parser.add_argument("--interval", type=float, default=5.0, help="seconds between checks")
+    parser.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.gpus < 0 or args.nodes < 1 or args.timeout < 0 or args.interval <= 0:
+    if args.probe:
+        _probe_here(args.address)
+        return 0
+    if args.gpus is None or args.gpus < 0 or args.nodes < 1 or args.timeout < 0 or args.interval <= 0:
         parser.error("need --gpus >= 0, --nodes >= 1, --timeout >= 0 and --interval > 0")
     try:
         wait_for(args.gpus, args.nodes, args.timeout, args.interval, lambda: probe_cluster(args.address))

@@ -1,0 +1,321 @@
+"""Evaluation on CPU: metric definitions against hand-computed values, Table 1 layout in
+markdown and CSV, the HF backend on a tiny model, and trainer (FSDP) checkpoints."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import types
+
+import pytest
+import torch
+
+from recipe_hacpo import evaluate as ev
+from recipe_hacpo.data.schema import make_row, write_rows
+
+# (key, data_source as recipe_hacpo.data.prepare writes it)
+SOURCES = {
+    "math500": "HuggingFaceH4/MATH-500",
+    "math": "lighteval/MATH",
+    "gsm8k": "openai/gsm8k",
+    "aime25": "aime25",
+    "amc23": "amc23",
+    "minerva": "minerva",
+    "olympiadbench": "olympiadbench",
+}
+QUESTIONS = [("What is 2 + 3?", "5"), ("What is 4 + 4?", "8")]
+HEADER = ["Method", "MATH-500", "MATH", "GSM8K", "AIME25", "AMC23", "Minerva", "OlympiadBench", "AVG"]
+
+
+def _bench(path, key: str, questions=QUESTIONS) -> str:
+    rows = [
+        make_row(SOURCES[key], f"{q} Let's think step by step and output the final answer within \\boxed{{}}.", "math", a, "test", i)
+        for i, (q, a) in enumerate(questions)
+    ]
+    out = os.path.join(str(path), f"{key}_test.parquet")
+    write_rows(rows, out)
+    return out
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+SCORES = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]]
+
+
+def test_metrics_match_hand_computed_values():
+    assert ev.avg_at_k(SCORES, 1) == pytest.approx((1 + 0 + 1) / 3)
+    assert ev.avg_at_k(SCORES, 4) == pytest.approx((0.5 + 0 + 1) / 3)
+    assert ev.best_at_k(SCORES, 1) == pytest.approx(2 / 3)
+    assert ev.best_at_k(SCORES, 3) == pytest.approx(2 / 3)
+    assert ev.best_at_k([[0, 0, 1], [0, 0, 0]], 2) == 0.0
+    assert ev.best_at_k([[0, 0, 1], [0, 0, 0]], 3) == 0.5
+    # prompt 1: n=4, c=2, k=2 -> 1 - C(2,2)/C(4,2) = 5/6; prompt 2: 0; prompt 3: 1
+    assert ev.pass_at_k(SCORES, 2) == pytest.approx((5 / 6 + 0 + 1) / 3)
+    # pass@1 is the mean accuracy over all samples
+    assert ev.pass_at_k(SCORES, 1) == pytest.approx(ev.avg_at_k(SCORES, 4))
+    # with n == k the unbiased estimator is best@k
+    assert ev.pass_at_k(SCORES, 4) == pytest.approx(ev.best_at_k(SCORES, 4))
+    assert ev.pass_at_k_one(30, 1, 30) == 1.0 and ev.pass_at_k_one(30, 0, 5) == 0.0
+    assert ev.pass_at_k_one(10, 3, 2) == pytest.approx(1 - (7 * 6) / (10 * 9))
+    assert ev.Metric.parse("best@30").compute([[0] * 29 + [1], [0] * 30]) == 0.5
+    with pytest.raises(ev.EvalError, match="at least k samples"):
+        ev.avg_at_k(SCORES, 5)
+    with pytest.raises(ev.EvalError, match="avg@k, best@k or pass@k"):
+        ev.Metric.parse("mean@3")
+
+
+def test_benchmark_names_defaults_and_column_order(tmp_path):
+    for key in SOURCES:
+        _bench(tmp_path, key)
+    benches = ev.build_benchmarks(None, str(tmp_path), ["AMC-23=pass@2"], ["amc23=4"])
+    assert [b.label for b in benches] == HEADER[1:-1]
+    by_key = {b.key: b for b in benches}
+    assert str(by_key["aime25"].metric) == "best@30" and by_key["aime25"].n == 30
+    assert str(by_key["math500"].metric) == "avg@1" and by_key["math500"].n == 1
+    assert (str(by_key["amc23"].metric), by_key["amc23"].n) == ("pass@2", 4)
+    assert ev.bench_key("MATH-500") == "math500" and ev.bench_key("aime2025") == "aime25"
+    with pytest.raises(ev.EvalError, match="fewer than the k"):
+        ev.build_benchmarks(None, str(tmp_path), None, ["aime25=8"])
+    with pytest.raises(ev.EvalError, match="not evaluated"):
+        ev.build_benchmarks([f"gsm8k={tmp_path}/gsm8k_test.parquet"], None, ["aime25=avg@1"], None)
+
+
+# --------------------------------------------------------------------------- Table 1 end to end
+
+
+class CannedGenerator:
+    """Answers the benchmarks in the order evaluate() asks: `plan[bench]` holds, per prompt,
+    the sample indices whose response is correct; every other response is wrong."""
+
+    def __init__(self, plan: dict, calls: list):
+        self.plan, self.calls = plan, calls
+        self.order = [k for k, _ in ev.BENCHMARKS]
+
+    def generate(self, prompts, n, temperature, seed):
+        key = self.order.pop(0)
+        self.calls.append((key, n, temperature))
+        out = []
+        for (_, correct), messages in zip(self.plan[key], prompts):
+            answer = next(a for q, a in QUESTIONS if q in messages[-1]["content"])
+            out.append([f"So the answer is \\boxed{{{answer if j in correct else 999}}}." for j in range(n)])
+        return out
+
+    def close(self):
+        pass
+
+
+def _plan(n_by_bench: dict, correct: dict) -> dict:
+    return {k: [(n_by_bench[k], set(c)) for c in correct[k]] for k in n_by_bench}
+
+
+def test_table1_from_canned_responses(tmp_path, monkeypatch, tiny_agent_paths):
+    bench_dir = tmp_path / "bench"
+    files = {key: _bench(bench_dir, key) for key in SOURCES}
+    n = {k: 1 for k in SOURCES} | {"aime25": 30, "amc23": 4}
+    one_of_two = [[0], []]
+    plans = {
+        tiny_agent_paths["qwen2-char-small"]: _plan(
+            n,
+            {k: one_of_two for k in SOURCES}
+            | {"aime25": [[7], []], "amc23": [[0, 3], []]},
+        ),
+        tiny_agent_paths["llama-pair-medium"]: _plan(
+            n,
+            {k: [[0], [0]] for k in SOURCES}
+            | {"gsm8k": [[], []], "aime25": [[], [0, 29]], "amc23": [[0, 1, 2, 3], [0, 1, 2, 3]]},
+        ),
+    }
+    calls: list = []
+
+    def fake_make_generator(backend, model_dir, opts):
+        assert backend == "hf"
+        return CannedGenerator(plans[model_dir], calls)
+
+    monkeypatch.setattr(ev, "make_generator", fake_make_generator)
+    out = tmp_path / "out"
+    # benchmarks given out of the paper's order; the table puts them in its order
+    bench_args = []
+    for key in reversed(list(SOURCES)):
+        bench_args += ["--bench", f"{key}={files[key]}"]
+    rc = ev.main(
+        ["--checkpoint", f"alpha={tiny_agent_paths['qwen2-char-small']}",
+         "--checkpoint", f"beta={tiny_agent_paths['llama-pair-medium']}",
+         *bench_args, "--metric", "amc23=pass@2", "--samples", "amc23=4",
+         "--backend", "hf", "--temperature", "0.7", "--out", str(out)]
+    )
+    assert rc == 0
+    # one sample: greedy; several: the sampling temperature
+    assert ("math500", 1, 0.0) in calls and ("aime25", 30, 0.7) in calls and ("amc23", 4, 0.7) in calls
+    assert len(calls) == 14
+
+    alpha_amc = (5 / 6 + 0) / 2  # n=4, c=2, k=2 on prompt 1; nothing right on prompt 2
+    alpha = [0.5, 0.5, 0.5, 0.5, alpha_amc, 0.5, 0.5]
+    beta = [1.0, 1.0, 0.0, 0.5, 1.0, 1.0, 1.0]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["alpha"]["amc23"]["value"] == pytest.approx(alpha_amc)
+    assert metrics["alpha"]["amc23"]["metrics"]["avg@4"] == pytest.approx(0.25)
+    assert metrics["alpha"]["amc23"]["metrics"]["best@4"] == pytest.approx(0.5)
+    assert metrics["beta"]["aime25"]["metric"] == "best@30"
+    assert metrics["beta"]["aime25"]["metrics"]["avg@30"] == pytest.approx(2 / 60)
+
+    md = (out / "table.md").read_text().splitlines()
+    assert md[0] == "| " + " | ".join(HEADER) + " |"
+    assert md[1] == "| --- |" + " ---: |" * 8
+    fmt = lambda vals: " | ".join(f"{v:.3f}" for v in vals + [sum(vals) / 7])  # noqa: E731
+    assert md[2] == f"| alpha | {fmt(alpha)} |"
+    assert md[3] == f"| beta | {fmt(beta)} |"
+    assert "AIME25 best@30" in md[5] and "AMC23 pass@2" in md[5] and "MATH-500 avg@1" in md[5]
+
+    with open(out / "table.csv") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == HEADER
+    assert [r[0] for r in rows[1:]] == ["alpha", "beta"]
+    assert [float(v) for v in rows[1][1:]] == pytest.approx(alpha + [sum(alpha) / 7], abs=1e-6)
+    assert [float(v) for v in rows[2][1:]] == pytest.approx(beta + [sum(beta) / 7], abs=1e-6)
+
+    record = json.loads((out / "samples" / "beta" / "aime25.jsonl").read_text().splitlines()[1])
+    assert len(record["responses"]) == 30 and record["scores"][0] == 1.0 and sum(record["scores"]) == 2
+
+
+def test_hf_backend_on_a_tiny_model(tmp_path, tiny_agent_paths):
+    bench = _bench(tmp_path, "gsm8k")
+    model = tiny_agent_paths["qwen2-char-small"]
+    opts = ev.GenOptions(backend="hf", max_new_tokens=4, batch_size=2, device="cpu")
+    gen = ev.make_generator("hf", model, opts)
+    prompts = [r["messages"] for r in ev.load_benchmark(bench)]
+    greedy = gen.generate(prompts, 1, 0.0, 0)
+    assert greedy == gen.generate(prompts, 1, 0.0, 1) and [len(r) for r in greedy] == [1, 1]
+    sampled = gen.generate(prompts, 3, 1.0, 0)
+    assert [len(r) for r in sampled] == [3, 3] and all(isinstance(t, str) for r in sampled for t in r)
+
+    out = tmp_path / "out"
+    rc = ev.main(["--checkpoint", f"tiny={model}", "--bench", f"GSM8K={bench}", "--metric", "gsm8k=best@2",
+                  "--backend", "hf", "--device", "cpu", "--max-new-tokens", "4", "--out", str(out),
+                  "--chat-template-kwargs", '{"enable_thinking": false}'])
+    assert rc == 0
+    md = (out / "table.md").read_text().splitlines()
+    assert md[0] == "| Method | GSM8K | AVG |" and md[2].startswith("| tiny | ")
+    lines = (out / "samples" / "tiny" / "gsm8k.jsonl").read_text().splitlines()
+    assert [len(json.loads(x)["responses"]) for x in lines] == [2, 2]
+    value = json.loads((out / "metrics.json").read_text())["tiny"]["gsm8k"]["value"]
+    assert 0.0 <= value <= 1.0
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    bench = _bench(tmp_path, "gsm8k")
+    assert ev.main(["--checkpoint", "x", "--bench", f"gsm8k={bench}", "--out", str(tmp_path / "o")]) == 2
+    assert "expected NAME=VALUE" in capsys.readouterr().err
+    assert ev.main(["--agents-from", str(tmp_path), "--bench", f"gsm8k={bench}", "--out", str(tmp_path / "o")]) == 2
+    assert "no <agent>/actor folders" in capsys.readouterr().err
+    bad = ["--checkpoint", f"x={tmp_path}", "--bench", f"gsm8k={bench}", "--chat-template-kwargs", "{no", "--out", str(tmp_path / "o")]
+    assert ev.main(bad) == 2 and "--chat-template-kwargs: not JSON" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert ev.main(["--checkpoint", f"x={empty}", "--bench", f"gsm8k={bench}", "--backend", "hf", "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert "neither a Hugging Face model dir" in err and err.count("\n") == 1
+
+
+# --------------------------------------------------------------------------- trainer checkpoints
+
+
+def _fsdp_checkpoint(model_dir: str, actor: str) -> dict:
+    """Save `model_dir` the way the trainer does with one rank: FSDP2 DTensor state dict + huggingface/."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoModelForCausalLM
+
+    assert not dist.is_initialized()
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # differs from the weights in model_dir
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    os.makedirs(os.path.join(actor, "huggingface"))
+    for name in os.listdir(model_dir):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(model_dir, name), os.path.join(actor, "huggingface", name))
+    dist.init_process_group("gloo", init_method=f"file://{actor}/.store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        state = model.state_dict()
+        assert type(state["model.embed_tokens.weight"]).__name__ == "DTensor"
+        torch.save(state, os.path.join(actor, "model_world_size_1_rank_0.pt"))
+    finally:
+        dist.destroy_process_group()
+    return expected
+
+
+@pytest.mark.parametrize("kind", ["qwen2-char-small", "llama-pair-medium"])
+def test_world_size_one_trainer_checkpoint_is_merged(tmp_path, tiny_agent_paths, kind):
+    from transformers import AutoModelForCausalLM
+
+    actor = tmp_path / "global_step_3" / "agent_a" / "actor"
+    expected = _fsdp_checkpoint(tiny_agent_paths[kind], str(actor))
+    merged_dir = ev.resolve_checkpoint(str(tmp_path / "global_step_3" / "agent_a"), str(tmp_path / "models" / "a"))
+    assert merged_dir == str(tmp_path / "models" / "a")
+    assert os.path.isfile(os.path.join(merged_dir, "tokenizer_config.json"))
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir).state_dict()
+    assert set(merged) == set(expected)
+    for key, value in expected.items():
+        torch.testing.assert_close(merged[key], value, msg=key)
+    # the actor dir itself works as well
+    assert ev.resolve_checkpoint(str(actor), str(tmp_path / "models" / "b")) == str(tmp_path / "models" / "b")
+
+
+def test_shard_merging_rules_and_unsupported_layouts(tmp_path):
+    from torch.distributed.tensor import Replicate, Shard
+
+    def dt(parts, placements):
+        full = torch.cat(parts, dim=placements[0].dim) if placements[0].is_shard() else parts[0]
+        return [types.SimpleNamespace(_local_tensor=p, placements=placements, shape=full.shape) for p in parts], full
+
+    rows, rows_full = dt([torch.arange(6.0).view(2, 3), torch.arange(6.0, 9.0).view(1, 3)], (Shard(0),))
+    cols, cols_full = dt([torch.ones(2, 1), torch.zeros(2, 2)], (Shard(1),))
+    rep, rep_full = dt([torch.full((2,), 3.0), torch.full((2,), 3.0)], (Replicate(),))
+    states = [{"a": rows[r], "_fsdp_wrapped_module.b": cols[r], "c": rep[r], "step": 1} for r in range(2)]
+    merged = ev.merge_shards(states)
+    assert set(merged) == {"a", "b", "c"}
+    torch.testing.assert_close(merged["a"], rows_full)
+    torch.testing.assert_close(merged["b"], cols_full)
+    torch.testing.assert_close(merged["c"], rep_full)
+
+    with pytest.raises(ev.EvalError, match="FSDP1 flat shards.*verl.model_merger"):
+        ev.merge_shards([{"w": torch.ones(2)}, {"w": torch.ones(2)}])
+    two_d = types.SimpleNamespace(_local_tensor=torch.ones(2), placements=(Replicate(), Shard(0)), shape=(4,))
+    with pytest.raises(ev.EvalError, match="2-D device mesh.*verl.model_merger"):
+        ev.merge_shards([{"w": two_d}])
+
+    actor = tmp_path / "actor"
+    (actor / "huggingface").mkdir(parents=True)
+    (actor / "huggingface" / "config.json").write_text("{}")
+    torch.save({}, actor / "model_world_size_2_rank_0.pt")
+    with pytest.raises(ev.EvalError, match="world size 2 but rank 1 is missing"):
+        ev.resolve_checkpoint(str(actor), str(tmp_path / "m"))
+
+
+def test_agents_from_a_trainer_checkpoint_root(tmp_path, tiny_agent_paths):
+    root = tmp_path / "checkpoints"
+    for agent, kind in (("qwen_char", "qwen2-char-small"), ("llama_pair", "llama-pair-medium")):
+        # a run that saved full HF weights next to the shards: used as they are
+        shutil.copytree(tiny_agent_paths[kind], root / "global_step_4" / agent / "actor" / "huggingface")
+    (root / "global_step_2" / "qwen_char" / "actor").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("4")
+    found = ev.agent_checkpoints(f"hacpo={root}")
+    assert found == [
+        ("hacpo/llama_pair", str(root / "global_step_4" / "llama_pair")),
+        ("hacpo/qwen_char", str(root / "global_step_4" / "qwen_char")),
+    ]
+    assert ev.resolve_checkpoint(found[1][1], str(tmp_path / "unused")) == str(
+        root / "global_step_4" / "qwen_char" / "actor" / "huggingface"
+    )
+    assert [n for n, _ in ev.agent_checkpoints(str(root / "global_step_2"))] == ["qwen_char"]
+    with pytest.raises(ev.EvalError, match="no <agent>/actor folders"):
+        ev.agent_checkpoints(str(tmp_path))

