@@ -17,6 +17,7 @@ import torch
 from omegaconf import DictConfig
 
 from recipe_hacpo.config import AgentSpec, HacpoSettings
+from recipe_hacpo.exchange import eos_token_ids
 from verl import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.utils import hf_tokenizer
@@ -40,7 +41,7 @@ class AgentRuntime:
         arr = self.config.actor_rollout_ref
         local_path = copy_to_local(arr.model.path)
         self.tokenizer = hf_tokenizer(local_path, trust_remote_code=arr.model.get("trust_remote_code", False))
-        self.eos_token_ids = _eos_token_ids(local_path, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(local_path, self.tokenizer)
         self.use_ref = bool(arr.actor.use_kl_loss)
         role = "actor_rollout_ref" if self.use_ref else "actor_rollout"
         self.pool = shared_pool or RayResourcePool(
@@ -164,19 +165,6 @@ class AgentRuntime:
 
     def load(self, path: str) -> None:
         self.wg.load_checkpoint(os.path.join(path, "actor"), None, False)
-
-
-def _eos_token_ids(model_dir: str, tokenizer) -> list[int]:
-    """Every id that ends a response: the tokenizer's EOS and the generation config's list."""
-    from transformers import GenerationConfig
-
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        eos = None
-    ids.update([eos] if isinstance(eos, int) else (eos or []))
-    return sorted(ids)
 
 
 def _mean_metrics(metrics: dict) -> dict[str, float]:

@@ -416,18 +416,6 @@ def _chat_ids(tokenizer, messages: list[dict], template_kwargs: tuple = ()) -> l
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def _eos_ids(model_dir: str, tokenizer) -> list[int]:
-    from transformers import GenerationConfig
-
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    try:
-        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
-    except OSError:
-        eos = None
-    ids.update([eos] if isinstance(eos, int) else (eos or []))
-    return sorted(ids)
-
-
 class HFGenerator:
     """Hugging Face `generate`, left-padded batches of prompts, `n` return sequences each."""
 
@@ -442,7 +430,9 @@ class HFGenerator:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir)
         self.model.to(device=self.device, dtype=getattr(torch, dtype)).eval()
-        self.eos = _eos_ids(model_dir, self.tokenizer)
+        from recipe_hacpo.exchange import eos_token_ids
+
+        self.eos = eos_token_ids(model_dir, self.tokenizer)
         pad = self.tokenizer.pad_token_id
         self.pad = pad if pad is not None else (self.eos[0] if self.eos else 0)
         self.opts = opts

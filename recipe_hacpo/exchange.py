@@ -122,6 +122,19 @@ def tokenizers_match(a: Any, b: Any) -> bool:
 # ---------------------------------------------------------------------------------------
 
 
+def eos_token_ids(model_dir: str, tokenizer: Any) -> list[int]:
+    """Every id that ends a response of a model: its tokenizer's EOS and its generation config's."""
+    from transformers import GenerationConfig
+
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    try:
+        eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    except OSError:
+        eos = None
+    ids.update([eos] if isinstance(eos, int) else (eos or []))
+    return sorted(ids)
+
+
 def _as_id_set(ids: int | Iterable[int] | None) -> set[int]:
     if ids is None:
         return set()

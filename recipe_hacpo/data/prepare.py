@@ -38,6 +38,7 @@ import sys
 import pyarrow.parquet as pq
 
 from recipe_hacpo.data.schema import DataFormatError, make_row, write_rows
+from recipe_hacpo.reward.answer_extraction import last_boxed as _reward_last_boxed
 
 INSTRUCTION = "Let's think step by step and output the final answer within \\boxed{}."
 ABILITY = "math"
@@ -94,37 +95,8 @@ STEM_ALIASES = {
 
 
 def last_boxed(text: str) -> str | None:
-    """Content of the last `\\boxed{...}` (or `\\fbox{...}`) in `text`, braces matched; None if absent.
-
-    Escaped braces (`\\{`, `\\}`) do not count; the brace-less form `\\boxed 5` gives "5".
-    """
-    starts = [(text.rfind(cmd), cmd) for cmd in ("\\boxed", "\\fbox")]
-    start, cmd = max(starts)
-    if start < 0:
-        return None
-    i = start + len(cmd)
-    if i < len(text) and text[i] == " ":
-        rest = text[i:].lstrip(" ")
-        if not rest.startswith("{"):
-            match = re.match(r"[^\s$]+", rest)
-            return match.group(0) if match else None
-        i = len(text) - len(rest)
-    if i >= len(text) or text[i] != "{":
-        return None
-    depth, j = 0, i
-    while j < len(text):
-        c = text[j]
-        if c == "\\":
-            j += 2
-            continue
-        if c == "{":
-            depth += 1
-        elif c == "}":
-            depth -= 1
-            if depth == 0:
-                return text[i + 1 : j].strip() or None
-        j += 1
-    return None
+    """The last `\\boxed{}` answer, read by the reward's own parser (an empty box is none)."""
+    return _reward_last_boxed(text) or None
 
 
 def gsm8k_answer(text: str) -> str | None:
