@@ -33,11 +33,11 @@ def _as_list(files) -> list[str]:
 
 def prepare(cfg: DictConfig):
     """Everything that can be checked without Ray: returns (specs, hacpo settings)."""
-    from recipe_hacpo.scoring import resolve_reward_path
+    from recipe_hacpo.scoring import load_reward_fn
 
     specs, hacpo = validate(cfg)
     check_data(cfg)
-    resolve_reward_path(cfg)
+    load_reward_fn(cfg)  # a missing file or function fails here, not after the workers start
     return specs, hacpo
 
 
@@ -119,12 +119,20 @@ def run(cfg: DictConfig) -> dict:
 @hydra.main(config_path="pkg://recipe_hacpo.configs", config_name="hacpo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
     from recipe_hacpo.data.schema import DataFormatError
+    from recipe_hacpo.reliability import AgentError, CheckpointError
 
     try:
         run(cfg)
     except (ConfigError, DataFormatError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
+    except (AgentError, CheckpointError, FloatingPointError) as err:
+        # a failure during training: one line naming the agent (the traceback is chained above it)
+        import traceback
+
+        traceback.print_exc()
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

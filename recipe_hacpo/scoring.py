@@ -8,7 +8,7 @@ counted metric; training goes on.
 
 from __future__ import annotations
 
-import concurrent.futures as cf
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -18,6 +18,8 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from recipe_hacpo import batch_keys as K
+from recipe_hacpo.config import ConfigError
+from recipe_hacpo.reliability import call_with_deadlines
 
 
 
@@ -31,16 +33,25 @@ def resolve_reward_path(cfg: DictConfig) -> None:
             crf.path = default_reward.__file__
             crf.name = crf.get("name") or "compute_score"
     if not os.path.isfile(crf.path):
-        raise FileNotFoundError(f"reward.custom_reward_function.path={crf.path!r}: file not found")
+        raise ConfigError(f"reward.custom_reward_function.path={crf.path!r}: file not found")
 
 
 def load_reward_fn(cfg: DictConfig) -> Callable[..., Any]:
+    """The configured reward function; ConfigError (one line) when it cannot be loaded."""
     from verl.trainer.ppo.reward import get_custom_reward_fn
 
     resolve_reward_path(cfg)
-    fn = get_custom_reward_fn(cfg)
+    crf = cfg.reward.custom_reward_function
+    try:
+        fn = get_custom_reward_fn(cfg)
+    except Exception as exc:
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ConfigError(
+            f"reward.custom_reward_function (path={crf.path!r}, name={crf.get('name')!r}): "
+            f"cannot be loaded: {type(exc).__name__}: {detail}"
+        ) from exc
     if fn is None:
-        raise ValueError("reward.custom_reward_function: no function could be loaded")
+        raise ConfigError("reward.custom_reward_function: no function could be loaded")
     return fn
 
 
@@ -54,25 +65,29 @@ class RewardOutcome:
 
 
 class Verifier:
-    """Calls the reward function on a thread pool, with a time limit per sample."""
+    """Calls the reward function on daemon threads, with a time limit per sample.
+
+    A sample's limit runs from its own start; a call that hangs is abandoned (its thread
+    cannot block later samples or the process exit), scored 0 and counted as a timeout.
+    """
 
     def __init__(self, reward_fn: Callable[..., Any], timeout_s: float = 30.0, workers: int = 8) -> None:
         self.reward_fn = reward_fn
         self.timeout_s = timeout_s
-        self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hacpo-reward")
+        self.workers = workers
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+        """Nothing to release: abandoned calls run on daemon threads."""
 
     def score(self, batch, tokenizer) -> RewardOutcome:
         """Score a rollout `DataProto` (verl layout: `responses`, `response_mask`)."""
         texts = decode_responses(batch, tokenizer)
         nt = batch.non_tensor_batch
-        futures = []
+        calls = []
         for i, text in enumerate(texts):
             rm = nt["reward_model"][i] if "reward_model" in nt else {}
-            futures.append(
-                self._pool.submit(
+            calls.append(
+                functools.partial(
                     self.reward_fn,
                     data_source=str(nt["data_source"][i]) if "data_source" in nt else "",
                     solution_str=text,
@@ -82,15 +97,14 @@ class Verifier:
             )
         rewards = np.zeros(len(texts), dtype=np.float32)
         errors = timeouts = nonfinite = 0
-        for i, fut in enumerate(futures):
-            try:
-                value = fut.result(timeout=self.timeout_s)
-            except cf.TimeoutError:
+        for i, result in enumerate(call_with_deadlines(calls, self.timeout_s, self.workers)):
+            if result.status == "timeout":
                 timeouts += 1
                 continue
-            except Exception:
+            if result.status == "error":
                 errors += 1
                 continue
+            value = result.value
             score = value.get("score", 0.0) if isinstance(value, dict) else value
             try:
                 score = float(score)
@@ -106,9 +120,12 @@ class Verifier:
 
 def decode_responses(batch, tokenizer) -> list[str]:
     responses = batch.batch["responses"]
-    mask = batch.batch["response_mask"].bool()
+    # ids outside the vocabulary (a model head can be wider than its tokenizer) are dropped
+    mask = batch.batch["response_mask"].bool() & (responses >= 0) & (responses < len(tokenizer))
+    # no clean-up of spaces: this text is also what crosses to other agents (RESPONSE_TEXT)
     return [
-        tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True) for i in range(responses.shape[0])
+        tokenizer.decode(responses[i][mask[i]].tolist(), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        for i in range(responses.shape[0])
     ]
 
 

@@ -319,7 +319,11 @@ class HacpoTrainer:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp, exist_ok=True)
         for name, agent in self.agents.items():
-            agent.save(os.path.join(tmp, name), self.global_step)
+            try:
+                agent.save(os.path.join(tmp, name), self.global_step)
+            except Exception as exc:
+                # the temp dir stays torn and is never published; the previous checkpoint stays latest
+                raise AgentError(name, f"checkpoint of step {self.global_step} failed: {describe_failure(exc)}") from exc
         state = {
             "global_step": self.global_step,
             "tracker": self.tracker.state_dict(),
