@@ -45,6 +45,7 @@ class WarmStartArgs:
     n_train: int = 50_000
     n_eval: int = 1024
     eval_seed: int = 0
+    init: str = ""  # continue from this warmed agent directory instead of the kind's random init
 
 
 # --------------------------------------------------------------------------- data
@@ -144,17 +145,24 @@ def warm_start(args: WarmStartArgs, out: str, *, log_every: int = 100, verbose: 
     """Train `args.kind` from its seeded random init; write the agent to `out`; return its record."""
     record = _record(args)
     existing = load_record(out)
-    if existing and {k: existing.get(k) for k in record} == record:
+    defaults = asdict(WarmStartArgs(kind=args.kind))
+    if existing and {k: existing.get(k, defaults.get(k)) for k in record} == record:
         return existing
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
-    with tempfile.TemporaryDirectory() as base_dir:
-        base = tiny_agents.build_agent(base_dir, args.kind, args.seed)
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    with tempfile.TemporaryDirectory() as base_dir:
+        if args.init:
+            parent = load_record(args.init)
+            if not parent or parent.get("kind") != args.kind:
+                raise ValueError(f"--init {args.init}: not a warmed {args.kind} agent")
+            base = args.init
+        else:
+            base = tiny_agents.build_agent(base_dir, args.kind, args.seed)
         tokenizer = AutoTokenizer.from_pretrained(base)
-        model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
         gen_config = GenerationConfig.from_pretrained(base)
 
     train_rows = synthetic.generate(args.task, "train", args.n_train, 1000 + args.seed)
@@ -189,6 +197,11 @@ def warm_start(args: WarmStartArgs, out: str, *, log_every: int = 100, verbose: 
     accuracy = greedy_accuracy(model, tokenizer, eval_rows)
     model.eval()
 
+    if args.init:
+        record["init_record"] = {k: v for k, v in load_record(args.init).items() if k != "loss_history"}
+        record["total_steps"] = record["init_record"].get("total_steps", record["init_record"]["steps"]) + args.steps
+    else:
+        record["total_steps"] = args.steps
     record.update({"held_out_accuracy": accuracy, "train_seconds": train_s, "loss_history": history,
                    "params": sum(p.numel() for p in model.parameters())})
     parent = os.path.dirname(os.path.abspath(out)) or "."
@@ -220,9 +233,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=128)
     p.add_argument("--n-train", type=int, default=50_000)
     p.add_argument("--n-eval", type=int, default=1024)
+    p.add_argument("--init", default="", help="continue from this warmed agent directory (same kind)")
     a = p.parse_args(argv)
     args = WarmStartArgs(kind=a.kind, task=a.task, steps=a.steps, seed=a.seed, lr=a.lr, batch_size=a.batch_size,
-                         n_train=a.n_train, n_eval=a.n_eval)
+                         n_train=a.n_train, n_eval=a.n_eval, init=os.path.abspath(a.init) if a.init else "")
     rec = warm_start(args, a.out)
     print(f"{a.kind} ({rec['params']} params) {args.steps} steps in {rec['train_seconds']:.1f}s: "
           f"held-out accuracy {rec['held_out_accuracy']:.4f} on {args.n_eval} {args.task} prompts -> {a.out}")
