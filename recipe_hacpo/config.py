@@ -200,6 +200,27 @@ def _validate_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
                 f"(ppo_mini_batch_size {mini} × responses per prompt) does not split over its {world} GPUs; "
                 "change ppo_mini_batch_size or rollout_n"
             )
+        if actor.get("use_dynamic_bsz", False):
+            continue
+        # verl's engine splits each GPU's rows into equal micro-batches
+        rollout = _agent_section(cfg, s, "rollout")
+        ref = _agent_section(cfg, s, "ref")
+        learner_rows = batch * _rows_per_prompt(specs, s, cfg)
+        checks = [
+            ("actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu, rows_per_mini // world,
+             "rows of one mini-batch per GPU"),
+            ("rollout.log_prob_micro_batch_size_per_gpu", rollout.log_prob_micro_batch_size_per_gpu,
+             batch * s.rollout_n // world, "own responses per GPU (old log-probs)"),
+        ]
+        if actor.get("use_kl_loss", False):
+            checks.append(("ref.log_prob_micro_batch_size_per_gpu", ref.log_prob_micro_batch_size_per_gpu,
+                           learner_rows // world, "learner rows per GPU (reference log-probs)"))
+        for key, micro, rows, what in checks:
+            if micro is not None and (int(micro) < 1 or rows % int(micro) != 0):
+                raise ConfigError(
+                    f"agents[{s.index}] ({s.name}): actor_rollout_ref.{key}={micro} does not divide the {rows} "
+                    f"{what}; pick a divisor of {rows}"
+                )
 
 
 def _rows_per_prompt(specs: list[AgentSpec], learner: AgentSpec, cfg: DictConfig) -> int:

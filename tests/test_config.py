@@ -66,6 +66,10 @@ def test_naive_settings_imply_plain_baseline():
         (["algorithm.hacpo.omega_clip=[2.0,10.0]"], r"algorithm\.hacpo\.omega_clip"),
         (["algorithm.hacpo.cross_clip=gspo"], r"algorithm\.hacpo\.cross_clip='gspo'.*mode=naive"),
         (["agents.0.rollout_n=0"], r"agents\[0\]\.rollout_n=0: must be >= 1"),
+        (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"],
+         r"actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=5 does not divide the 32 rows of one mini-batch per GPU"),
+        (["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"],
+         r"log_prob_micro_batch_size_per_gpu=3 does not divide the 32 own responses per GPU"),
     ],
 )
 def test_bad_configs_fail_with_one_line(demo_overrides, extra, message):
@@ -117,4 +121,5 @@ def test_main_rejects_bad_data_file(tmp_path, demo_overrides):
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert len(err) == 1 and str(bad) in err[0] and "reward_model" in err[0], err
+    # the first problem of the first row: this frame lacks `ability` (and `reward_model`)
+    assert err == [f"error: {bad}: row 0: field 'ability' missing (expected a str, e.g. 'math')"], err
