@@ -66,6 +66,7 @@ def test_naive_settings_imply_plain_baseline():
         (["algorithm.hacpo.omega_clip=[2.0,10.0]"], r"algorithm\.hacpo\.omega_clip"),
         (["algorithm.hacpo.cross_clip=gspo"], r"algorithm\.hacpo\.cross_clip='gspo'.*mode=naive"),
         (["agents.0.rollout_n=0"], r"agents\[0\]\.rollout_n=0: must be >= 1"),
+        (["trainer.reward_timeout_s=0"], r"trainer\.reward_timeout_s=0\.0: must be > 0"),
         (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"],
          r"actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=5 does not divide the 32 rows of one mini-batch per GPU"),
         (["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"],
