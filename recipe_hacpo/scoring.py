@@ -8,7 +8,9 @@ counted metric; training goes on.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -72,7 +74,7 @@ class Verifier:
     """
 
     def __init__(self, reward_fn: Callable[..., Any], timeout_s: float = 30.0, workers: int = 8) -> None:
-        self.reward_fn = reward_fn
+        self.reward_fn = _run_to_completion(reward_fn)
         self.timeout_s = timeout_s
         self.workers = workers
 
@@ -116,6 +118,16 @@ class Verifier:
                 continue
             rewards[i] = score
         return RewardOutcome(torch.from_numpy(rewards), texts, errors, timeouts, nonfinite)
+
+
+def _run_to_completion(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """verl accepts `async def` reward functions too: each call then runs its own event loop."""
+
+    def call(**kwargs):
+        out = fn(**kwargs)
+        return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+    return call
 
 
 def decode_responses(batch, tokenizer) -> list[str]:

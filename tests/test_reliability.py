@@ -4,6 +4,8 @@ named by agent, and bad configuration or data stops the CLI with one line before
 
 from __future__ import annotations
 
+import asyncio
+
 import os
 import subprocess
 import sys
@@ -396,6 +398,15 @@ def rollout_for(tokenizer, texts: list[str], truths: list[str]) -> DataProto:
             "extra_info": np.array([{"index": i} for i in range(len(texts))], dtype=object),
         },
     )
+
+
+def test_verifier_runs_async_reward_functions(char_tokenizer):
+    async def reward(data_source, solution_str, ground_truth, extra_info=None):
+        await asyncio.sleep(0)
+        return {"score": float(solution_str.strip() == ground_truth)}
+
+    outcome = Verifier(reward, timeout_s=5).score(rollout_for(char_tokenizer, ["7", "3"], ["7", "7"]), char_tokenizer)
+    assert outcome.rewards.tolist() == [1.0, 0.0] and outcome.errors == 0
 
 
 def test_verifier_counts_errors_timeouts_nonfinite_and_goes_on(char_tokenizer):
