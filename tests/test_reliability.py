@@ -5,7 +5,6 @@ named by agent, and bad configuration or data stops the CLI with one line before
 from __future__ import annotations
 
 import asyncio
-
 import os
 import subprocess
 import sys
