@@ -36,6 +36,8 @@ from recipe_hacpo.config import AgentSpec, HacpoSettings, agent_verl_config
 from recipe_hacpo.core_algos import CapabilityTracker, capability_ratio, compute_hacpo_advantage
 from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
 from recipe_hacpo.reliability import (
+    LATEST_FILE,
+    STATE_FILE,
     AgentError,
     CheckpointError,
     check_learner_batch,
@@ -49,8 +51,6 @@ from verl import DataProto
 
 T = TypeVar("T")
 
-STATE_FILE = "hacpo_state.pt"
-LATEST_FILE = "latest_checkpointed_iteration.txt"
 _LEARNER_NON_TENSOR = ("uid", "data_source", "reward_model", "raw_prompt", "extra_info", K.RESPONSE_TEXT)
 
 
