@@ -85,6 +85,9 @@ class AgentRuntime:
         )
         self.checkpoint_manager.sleep_replicas()
         self._rollout_awake = False
+        # the trainer step that produced the actor's current weights (0: the initial model);
+        # the rollout servers carry it as `global_steps`, and seeded sampling keys on it
+        self.weights_version = 0
 
     # ------------------------------------------------------------------ step phases
     def generate(self, prompts: DataProto, *, validate: bool = False, step: int = 0) -> DataProto:
@@ -103,7 +106,7 @@ class AgentRuntime:
         )
         if not self._rollout_awake:
             # a sleeping replica has dropped its weights: waking it means syncing them again
-            self.sync_weights(step)
+            self.sync_weights(self.weights_version)
         out = self.agent_loop.generate_sequences(batch)
         # free the rollout's memory for the phases (and agents on a shared pool) that follow
         self.checkpoint_manager.sleep_replicas()
@@ -155,16 +158,18 @@ class AgentRuntime:
         return _mean_metrics(tu.get(output, "metrics"))
 
     def sync_weights(self, step: int) -> None:
-        """Push the trained weights to this agent's rollout servers."""
+        """Push the weights trained up to `step` to this agent's rollout servers."""
         self.checkpoint_manager.update_weights(step)
+        self.weights_version = step
         self._rollout_awake = True
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str, step: int) -> None:
         self.wg.save_checkpoint(os.path.join(path, "actor"), None, step, None)
 
-    def load(self, path: str) -> None:
+    def load(self, path: str, step: int) -> None:
         self.wg.load_checkpoint(os.path.join(path, "actor"), None, False)
+        self.weights_version = step
 
 
 def _mean_metrics(metrics: dict) -> dict[str, float]:

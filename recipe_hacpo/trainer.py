@@ -19,6 +19,7 @@ workers); agents on the shared pool take turns.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import json
 import os
 import shutil
 import time
@@ -147,33 +148,58 @@ class HacpoTrainer:
         metrics: dict[str, float] = {}
         timing: dict[str, float] = {}
         self.agent_timing = {}
+        phase = self._phase_timer(timing)
         prompts = self._prompt_batch(batch_dict)
-        with _timer("gen", timing):
+        with phase("gen"):
             rollouts = self.generate(prompts)
-        with _timer("reward", timing):
+        with phase("reward"):
             self.score(rollouts, metrics)
-        with _timer("old_log_prob", timing):
+        with phase("old_log_prob"):
             self.old_log_probs(rollouts)
         self.update_capabilities(rollouts, metrics)
-        with _timer("exchange", timing):
+        with phase("exchange"):
             batches = self.exchange(rollouts, metrics)
-        with _timer("adv", timing):
+        with phase("adv"):
             self.advantages(batches, metrics)
         if any(a.use_ref for a in self.agents.values()):
-            with _timer("ref", timing):
+            with phase("ref"):
                 self.ref_log_probs(batches)
-        with _timer("update_actor", timing):
+        with phase("update_actor"):
             self.update(batches, metrics)
-        with _timer("update_weights", timing):
+        with phase("update_weights"):
             self.sync_weights()
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
         metrics.update(self.agent_timing)
         return metrics
 
+    def _phase_timer(self, timing: dict[str, float]):
+        """`with phase(name):` times a phase into `timing` and first announces it (`_announce`)."""
+
+        @contextmanager
+        def phase(name: str):
+            self._announce(name)
+            with _timer(name, timing):
+                yield
+
+        return phase
+
+    def _announce(self, phase: str) -> None:
+        """With `trainer.progress_file` set, rewrite it as {"step", "phase", "time"} (atomically).
+
+        For watchdogs on long runs (which phase is a stuck run in?) and for the tests that kill a
+        run at a chosen phase.
+        """
+        path = self.config.trainer.get("progress_file")
+        if path:
+            _atomic_write(str(path), json.dumps({"step": self.global_step, "phase": phase, "time": time.time()}))
+
     def _prompt_batch(self, batch_dict: dict) -> DataProto:
         prompts = DataProto.from_single_dict(batch_dict)
-        # one uid per prompt: a group is every agent's answers to it (spec §2)
-        prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
+        # one uid per prompt: a group is every agent's answers to it (spec §2); named by step
+        # and row rather than at random so that a resumed run builds the same batches
+        prompts.non_tensor_batch["uid"] = np.array(
+            [f"step{self.global_step}-prompt{i}" for i in range(len(prompts))], dtype=object
+        )
         return prompts
 
     # ------------------------------------------------------------------ 1 generate
@@ -365,7 +391,7 @@ class HacpoTrainer:
         if state["agents"] != names:
             raise CheckpointError(f"checkpoint {path}: agents {state['agents']} differ from this run's {names}")
         for name, agent in self.agents.items():
-            agent.load(os.path.join(path, name))
+            agent.load(os.path.join(path, name), int(state["global_step"]))
         self.tracker.load_state_dict(state["tracker"])
         self.train_dataloader.load_state_dict(state["dataloader"])
         torch.set_rng_state(state["torch_rng"])
@@ -392,9 +418,12 @@ class HacpoTrainer:
                 metrics["training/global_step"] = self.global_step
                 done = self.global_step >= self.total_steps
                 if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or done):
+                    self._announce("validate")
                     metrics.update(self.validate())
                 if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or done):
+                    self._announce("save_checkpoint")
                     self.save_checkpoint()
+                self._announce("step_done")
                 logger.log(data=metrics, step=self.global_step)
                 last = metrics
                 bar.update(1)

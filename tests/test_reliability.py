@@ -5,6 +5,7 @@ named by agent, and bad configuration or data stops the CLI with one line before
 from __future__ import annotations
 
 import asyncio
+import math
 import os
 import subprocess
 import sys
@@ -58,8 +59,9 @@ class StubAgent:
         if self.fail_on_save:
             raise RuntimeError("killed while writing")
 
-    def load(self, path: str) -> None:
+    def load(self, path: str, step: int) -> None:
         self.loaded_from = path
+        self.loaded_step = step
         self.weight = torch.load(os.path.join(path, "actor", "model_world_size_1_rank_0.pt"))
 
 
@@ -105,6 +107,7 @@ def test_save_is_complete_and_resume_restores_everything(tmp_path):
     assert r.load_checkpoint()
     assert r.global_step == 3
     assert r.agents["llama_pair"].loaded_from == os.path.join(root, "global_step_3", "llama_pair")
+    assert r.agents["llama_pair"].loaded_step == 3  # the rollout will be synced as weights version 3
     assert torch.equal(r.agents["qwen_char"].weight, torch.full((3,), 3.0))
     assert r.tracker.state_dict()["history"] == t.tracker.state_dict()["history"]
     # the RNG is the saved one, and the dataloader continues where the saved run stood
@@ -767,3 +770,118 @@ def test_e2e_sigkill_mid_checkpoint_write_then_resume(tmp_path, tiny_agent_paths
         assert len(after) == 2 and after[0] == before[0]
     state = torch.load(os.path.join(ckpt, "global_step_3", STATE_FILE), weights_only=False)
     assert state["global_step"] == 3 and len(state["tracker"]["history"]) == 3
+
+
+# a metric that measures the machine rather than the training (wall times, throughput)
+_MACHINE_METRICS = ("timing_s/", "/timing_s/", "perf/", "/perf/")
+
+
+def _training_metrics(step: dict) -> dict:
+    return {k: v for k, v in step.items() if not any(m in k for m in _MACHINE_METRICS)}
+
+
+def _kill_during(proc, progress_file: str, step: int, phase: str, delay_s: float) -> str:
+    """SIGKILL the run's process group `delay_s` after it announces `phase` of `step`.
+
+    Returns the phase the progress file shows at the moment of the kill.
+    """
+    import json
+    import signal
+
+    deadline = time.monotonic() + 900
+    seen = None
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            with open(progress_file) as f:
+                seen = json.load(f)
+        except (OSError, ValueError):
+            seen = None
+        if seen and (seen["step"], seen["phase"]) == (step, phase):
+            break
+        time.sleep(0.005)
+    try:
+        assert seen and (seen["step"], seen["phase"]) == (step, phase), f"run never reached {phase} of step {step}: {seen}"
+        time.sleep(delay_s)
+        with open(progress_file) as f:
+            at_kill = json.load(f)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    return f"{at_kill['phase']} of step {at_kill['step']}"
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+def test_e2e_sigkill_mid_rollout_and_mid_update_then_resume_reproduces_the_uninterrupted_run(
+    tmp_path, warm_agent_paths
+):
+    """Kill a run (SIGKILL to its whole process group) a random moment into step 2's rollout,
+    resume it, kill it again a random moment into step 3's update, resume again: the three
+    pieces log the same training metrics, step by step, as a run that was never interrupted,
+    and end on the same weights. (`hacpo_cpu_demo` samples with `rollout.full_determinism`.)"""
+    import random
+
+    rng = random.Random()
+    delays = [rng.uniform(0.0, 0.05) for _ in range(2)]
+    paths = {"qwen2-char-small": warm_agent_paths["qwen2-char-small"],
+             "llama-pair-medium": warm_agent_paths["llama-pair-medium"]}
+    common = _agents(paths) + [
+        "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "trainer.resume_mode=auto",
+    ]
+
+    reference = str(tmp_path / "reference")
+    proc = subprocess.run(_cli(reference, common), cwd=REPO, env=_env(reference), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    expected = {step: _training_metrics(data) for step, data in _steps(reference).items()}
+    assert sorted(expected) == [1, 2, 3]
+    # the comparison has teeth: the agents' rewards and losses move from step to step
+    assert len({expected[s]["agent/qwen_char/actor/pg_loss"] for s in expected}) == 3
+
+    work = str(tmp_path / "interrupted")
+    ckpt = os.path.join(work, "ckpt")
+    logged: dict[int, dict] = {}
+    kills = []
+    # piece 0 is killed in step 2's rollout, piece 1 in step 3's update, piece 2 runs to the end
+    plan = [(2, "gen", delays[0]), (3, "update_actor", delays[1]), (None, None, 0.0)]
+    for piece, (step, phase, delay) in enumerate(plan):
+        out = os.path.join(work, f"piece{piece}")
+        os.makedirs(out)
+        progress = os.path.join(out, "progress.json")
+        cmd = _cli(out, common + [f"trainer.default_local_dir={ckpt}", f"trainer.progress_file={progress}"])
+        log = open(os.path.join(out, "log.txt"), "w")
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(out), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            if step is None:
+                assert proc.wait(timeout=900) == 0, open(os.path.join(out, "log.txt")).read()[-4000:]
+            else:
+                kills.append(_kill_during(proc, progress, step, phase, delay))
+                # killed inside step `step`: its checkpoint never became latest
+                assert open(os.path.join(ckpt, LATEST_FILE)).read().strip() == str(step - 1)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            log.close()
+        for s, data in _steps(out).items():
+            assert s not in logged, f"step {s} was trained twice"
+            logged[s] = _training_metrics(data)
+
+    context = f"kills: {kills}, delays {delays}"
+    assert kills == ["gen of step 2", "update_actor of step 3"], context
+    assert sorted(logged) == [1, 2, 3], context
+    for step in (1, 2, 3):
+        assert logged[step].keys() == expected[step].keys(), context
+        for key, value in expected[step].items():
+            assert math.isclose(logged[step][key], value, rel_tol=1e-6, abs_tol=1e-9), (step, key, value,
+                                                                                         logged[step][key], context)
+    for name in NAMES:
+        actor = os.path.join("global_step_3", name, "actor", "model_world_size_1_rank_0.pt")
+        ours = torch.load(os.path.join(ckpt, actor), weights_only=False)
+        theirs = torch.load(os.path.join(reference, "ckpt", actor), weights_only=False)
+        assert ours.keys() == theirs.keys()
+        for key in ours:
+            a = getattr(ours[key], "_local_tensor", ours[key])
+            b = getattr(theirs[key], "_local_tensor", theirs[key])
+            assert torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-8), (name, key, context)

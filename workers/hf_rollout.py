@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import os
 import time
@@ -208,6 +209,61 @@ class Generated:
     finished: bool  # stopped on an EOS / stop token, not on the token budget
 
 
+def request_seed(base_seed: int, global_steps: int | None, request_id: str, prompt_ids: list[int]) -> int:
+    """A 62-bit sampling seed for one request, the same in every process and on every resume.
+
+    Under `rollout.full_determinism` verl's agent loops name requests by their row in the
+    batch (`det-<row>`); with the step and the prompt that pins the request down.
+    """
+    digest = hashlib.blake2b(digest_size=8)
+    digest.update(f"{int(base_seed)}|{global_steps}|{request_id}|".encode())
+    digest.update(",".join(map(str, prompt_ids)).encode())
+    return int.from_bytes(digest.digest(), "big") >> 2
+
+
+class SeededRowSampler:
+    """HF logits processor that samples each row from its own generator (Gumbel-max).
+
+    Inside a greedy search it returns log_softmax(warped) + Gumbel noise, whose argmax is a
+    draw from softmax(warped); the noise of row i comes from a generator seeded with
+    seeds[i] and advanced by one vocabulary-sized draw per decode step. Row i's sample is
+    therefore a function of its own prompt, weights and seed, whatever else is batched
+    with it. The warpers are HF's own, in the order HF applies them when sampling.
+    `warped` keeps the noise-free scores of every step (for `processed_logprobs`).
+    """
+
+    def __init__(self, sampling: Sampling, seeds: list[int]):
+        from transformers.generation.logits_process import (
+            MinPLogitsWarper,
+            TemperatureLogitsWarper,
+            TopKLogitsWarper,
+            TopPLogitsWarper,
+        )
+
+        self.warpers = []
+        if sampling.temperature is not None and sampling.temperature != 1.0:
+            self.warpers.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k:
+            self.warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+        if sampling.top_p is not None and sampling.top_p < 1.0:
+            self.warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+        if sampling.min_p is not None:
+            self.warpers.append(MinPLogitsWarper(min_p=sampling.min_p))
+        self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.warped: list[torch.Tensor] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        for warper in self.warpers:
+            scores = warper(input_ids, scores)
+        self.warped.append(scores)
+        log_probs = torch.log_softmax(scores.float(), dim=-1)
+        tiny = torch.finfo(torch.float32).tiny
+        uniform = torch.stack(
+            [torch.rand(scores.shape[-1], generator=g).clamp_(min=tiny) for g in self.generators]
+        ).to(log_probs.device)
+        return log_probs - torch.log(-torch.log(uniform))
+
+
 class HFEngine:
     """An HF causal LM with batched generation and in-place weight loading.
 
@@ -256,11 +312,25 @@ class HFEngine:
     # -- generation --------------------------------------------------------------------
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], sampling: Sampling) -> list[Generated]:
-        from transformers import GenerationConfig
+    def generate(
+        self, prompts: list[list[int]], sampling: Sampling, seeds: list[int | None] | None = None
+    ) -> list[Generated]:
+        """Decode `prompts` as one left-padded batch.
 
-        if sampling.seed is not None:
-            torch.manual_seed(sampling.seed)
+        `seeds` (one per prompt, or `sampling.seed` for all) makes sampling per row: row i's
+        tokens then depend only on its prompt, the weights and seeds[i], not on which other
+        requests share the batch (see `SeededRowSampler`). Without seeds, rows draw from the
+        process's global torch RNG.
+        """
+        from transformers import GenerationConfig, LogitsProcessorList
+
+        if seeds is None and sampling.seed is not None:
+            seeds = [sampling.seed] * len(prompts)
+        row_sampler = None
+        if sampling.do_sample and seeds is not None and any(s is not None for s in seeds):
+            # rows without a seed of their own draw one from the global RNG
+            seeds = [int(torch.randint(2**62, ())) if s is None else s for s in seeds]
+            row_sampler = SeededRowSampler(sampling, seeds)
         # As in vLLM, ignore_eos drops the model's EOS but explicit stop_token_ids still stop.
         model_eos = [] if sampling.ignore_eos else self.eos_token_ids
         eos = list(dict.fromkeys(model_eos + list(sampling.stop_token_ids)))
@@ -274,12 +344,14 @@ class HFEngine:
             attention_mask[row, width - len(prompt) :] = 1
 
         # verl's values only: unset fields fall back to the blank model config set in __init__.
+        # The row sampler does the sampling inside a greedy search (argmax of perturbed log-probs).
+        sample_in_hf = sampling.do_sample and row_sampler is None
         gen_config = GenerationConfig(
-            do_sample=sampling.do_sample,
-            temperature=sampling.temperature,
-            top_k=sampling.top_k,
-            top_p=sampling.top_p,
-            min_p=sampling.min_p,
+            do_sample=sample_in_hf,
+            temperature=sampling.temperature if sample_in_hf else None,
+            top_k=sampling.top_k if sample_in_hf else None,
+            top_p=sampling.top_p if sample_in_hf else None,
+            min_p=sampling.min_p if sample_in_hf else None,
             typical_p=1.0,
             repetition_penalty=sampling.repetition_penalty,
             no_repeat_ngram_size=0,
@@ -295,12 +367,18 @@ class HFEngine:
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
             generation_config=gen_config,
+            logits_processor=LogitsProcessorList([row_sampler]) if row_sampler is not None else None,
         )
         new_tokens = out.sequences[:, width:].cpu()
 
         per_step = None
         if sampling.logprobs:
-            steps = out.scores if self.logprobs_mode.startswith("processed") else out.logits
+            if not self.logprobs_mode.startswith("processed"):
+                steps = out.logits
+            elif row_sampler is not None:
+                steps = row_sampler.warped  # HF's scores hold the perturbed values
+            else:
+                steps = out.scores
             per_step = self._token_scores(steps, new_tokens)
 
         stop_set = set(eos)
@@ -402,7 +480,8 @@ def _eos_ids(model_config: HFModelConfig) -> list[int]:
 @dataclasses.dataclass
 class _Request:
     prompt_ids: list[int]
-    sampling: Sampling
+    sampling: Sampling  # without its seed: requests that differ only in seed share a batch
+    seed: int | None
     future: asyncio.Future
 
 
@@ -413,6 +492,11 @@ class HFRolloutServer:
     `engine_kwargs.hf.batch_wait_ms` and share a `Sampling` record decode together (left
     padded), up to `max_batch_size` (default `rollout.max_num_seqs`). The model runs in a
     worker thread so control calls stay responsive.
+
+    With `rollout.full_determinism`, each sampled request gets a seed from `request_seed`
+    (rollout seed, global step, verl's `det-<row>` request id, prompt) and is sampled from its
+    own generator, so a run resumed from a checkpoint draws the same responses as the run it
+    continues, however the requests happen to be batched.
     """
 
     def __init__(
@@ -494,6 +578,12 @@ class HFRolloutServer:
         if not prompt_ids:
             raise ValueError("empty prompt")
         sampling = parse_sampling(sampling_params, self.config, len(prompt_ids))
+        seed = sampling.seed
+        if seed is None and sampling.do_sample and self.config.full_determinism:
+            # the replica rank is left out on purpose: a request samples the same tokens
+            # whichever replica the router sends it to
+            seed = request_seed(self.config.seed, self.global_steps, request_id, prompt_ids)
+        sampling = dataclasses.replace(sampling, seed=None)
 
         while not self._gate_open.is_set():
             if self._rejecting:
@@ -506,7 +596,7 @@ class HFRolloutServer:
             )
 
         future = asyncio.get_running_loop().create_future()
-        self._queue.append(_Request(prompt_ids, sampling, future))
+        self._queue.append(_Request(prompt_ids, sampling, seed, future))
         self._idle.clear()
         self._work.set()
         result: Generated | None = await future
@@ -543,7 +633,13 @@ class HFRolloutServer:
     async def _run_batch(self, batch: list[_Request]) -> None:
         self._no_batch.clear()
         try:
-            results = await asyncio.to_thread(self.engine.generate, [r.prompt_ids for r in batch], batch[0].sampling)
+            seeds = [r.seed for r in batch]
+            results = await asyncio.to_thread(
+                self.engine.generate,
+                [r.prompt_ids for r in batch],
+                batch[0].sampling,
+                seeds if any(seed is not None for seed in seeds) else None,
+            )
         except Exception as exc:  # every waiting caller gets the error, the server lives on
             for request in batch:
                 if not request.future.done():
