@@ -283,6 +283,13 @@ def summarize(records: list[dict], agents: list[dict], arm: Arm, setup: Setup) -
     }
 
 
+def _stale(summary: dict, arm: Arm, setup: Setup) -> str:
+    """What differs between a cached run and the requested settings ('' when it can be reused)."""
+    wanted = {"steps": setup.steps, "group": setup.group * arm.group_mult, "prompts": setup.prompts,
+              "lr": setup.lr, "temperature": setup.temperature}
+    return ", ".join(f"{k} {summary[k]} != {v}" for k, v in wanted.items() if k in summary and summary[k] != v)
+
+
 def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str, pair: str, first: bool,
             timeout: int) -> dict:
     arm = ALL_ARMS[arm_key]
@@ -291,8 +298,11 @@ def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str
     if os.path.isfile(summary_file):
         with open(summary_file) as f:
             summary = json.load(f)
-        log(f"{pair}/{arm_key}/seed {seed}: cached")
-        return summary
+        stale = _stale(summary, arm, setup)
+        if not stale:
+            log(f"{pair}/{arm_key}/seed {seed}: cached")
+            return summary
+        log(f"{pair}/{arm_key}/seed {seed}: cached run made with other settings ({stale}); running again")
     os.makedirs(run_dir, exist_ok=True)
     metrics_file = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics_file):
@@ -313,6 +323,7 @@ def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str
         records = [json.loads(line) for line in f if line.strip()]
     summary = summarize(records, agents, arm, setup)
     summary.update({"arm": arm_key, "seed": seed, "pair": pair, "wall_s": wall, "group": setup.group * arm.group_mult,
+                    "prompts": setup.prompts, "lr": setup.lr, "temperature": setup.temperature,
                     "train_s": sum(summary["timing"].get("step", []))})
     with open(summary_file, "w") as f:
         json.dump(summary, f)

@@ -163,6 +163,21 @@ class AgentRuntime:
         self.weights_version = step
         self._rollout_awake = True
 
+    def worker_processes(self) -> list[str]:
+        """`host:pid` of each of this agent's FSDP worker processes (rank order).
+
+        So that an operator (or a test) can find, profile or stop the processes of one agent.
+        """
+        import ray
+
+        def where(_worker) -> str:
+            import os as _os
+            import socket
+
+            return f"{socket.gethostname()}:{_os.getpid()}"
+
+        return ray.get([w.__ray_call__.remote(where) for w in self.wg.workers])
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, path: str, step: int) -> None:
         self.wg.save_checkpoint(os.path.join(path, "actor"), None, step, None)

@@ -71,6 +71,7 @@ class HacpoTrainer:
         )
         self.global_step = 0
         self.agent_timing: dict[str, float] = {}
+        self._worker_processes: dict[str, list[str]] | None = None
         self.verifier = Verifier(load_reward_fn(config), timeout_s=float(config.trainer.get("reward_timeout_s", 30)))
         self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(specs)), thread_name_prefix="hacpo-agent")
 
@@ -184,14 +185,18 @@ class HacpoTrainer:
         return phase
 
     def _announce(self, phase: str) -> None:
-        """With `trainer.progress_file` set, rewrite it as {"step", "phase", "time"} (atomically).
+        """With `trainer.progress_file` set, rewrite it (atomically) as {"step", "phase", "time",
+        "workers": {agent: ["host:pid", ...]}}.
 
-        For watchdogs on long runs (which phase is a stuck run in?) and for the tests that kill a
-        run at a chosen phase.
+        For watchdogs on long runs (which phase is a stuck run in, which processes serve which
+        agent?) and for the tests that kill a run, or one agent's worker, at a chosen phase.
         """
         path = self.config.trainer.get("progress_file")
         if path:
-            _atomic_write(str(path), json.dumps({"step": self.global_step, "phase": phase, "time": time.time()}))
+            if self._worker_processes is None:
+                self._worker_processes = {n: a.worker_processes() for n, a in self.agents.items()}
+            record = {"step": self.global_step, "phase": phase, "time": time.time(), "workers": self._worker_processes}
+            _atomic_write(str(path), json.dumps(record))
 
     def _prompt_batch(self, batch_dict: dict) -> DataProto:
         prompts = DataProto.from_single_dict(batch_dict)

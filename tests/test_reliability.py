@@ -780,15 +780,11 @@ def _training_metrics(step: dict) -> dict:
     return {k: v for k, v in step.items() if not any(m in k for m in _MACHINE_METRICS)}
 
 
-def _kill_during(proc, progress_file: str, step: int, phase: str, delay_s: float) -> str:
-    """SIGKILL the run's process group `delay_s` after it announces `phase` of `step`.
-
-    Returns the phase the progress file shows at the moment of the kill.
-    """
+def _wait_for_phase(proc, progress_file: str, step: int, phase: str, timeout_s: float = 900) -> dict:
+    """Poll the run's `trainer.progress_file` until it announces `phase` of `step`; return the record."""
     import json
-    import signal
 
-    deadline = time.monotonic() + 900
+    deadline = time.monotonic() + timeout_s
     seen = None
     while proc.poll() is None and time.monotonic() < deadline:
         try:
@@ -797,10 +793,21 @@ def _kill_during(proc, progress_file: str, step: int, phase: str, delay_s: float
         except (OSError, ValueError):
             seen = None
         if seen and (seen["step"], seen["phase"]) == (step, phase):
-            break
+            return seen
         time.sleep(0.005)
+    raise AssertionError(f"run never reached {phase} of step {step} (last seen: {seen}, exit code {proc.poll()})")
+
+
+def _kill_during(proc, progress_file: str, step: int, phase: str, delay_s: float) -> str:
+    """SIGKILL the run's process group `delay_s` after it announces `phase` of `step`.
+
+    Returns the phase the progress file shows at the moment of the kill.
+    """
+    import json
+    import signal
+
     try:
-        assert seen and (seen["step"], seen["phase"]) == (step, phase), f"run never reached {phase} of step {step}: {seen}"
+        _wait_for_phase(proc, progress_file, step, phase)
         time.sleep(delay_s)
         with open(progress_file) as f:
             at_kill = json.load(f)
@@ -885,3 +892,42 @@ def test_e2e_sigkill_mid_rollout_and_mid_update_then_resume_reproduces_the_unint
             a = getattr(ours[key], "_local_tensor", ours[key])
             b = getattr(theirs[key], "_local_tensor", theirs[key])
             assert torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-8), (name, key, context)
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+def test_e2e_worker_killed_mid_update_stops_the_run_naming_its_agent(tmp_path, tiny_agent_paths):
+    """SIGKILL one agent's FSDP worker process during step 2's update: the run stops with one
+    line naming that agent, and step 2 never becomes a checkpoint."""
+    import signal
+
+    out = str(tmp_path)
+    progress = os.path.join(out, "progress.json")
+    cmd = _cli(out, _agents(tiny_agent_paths) + [
+        "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", f"trainer.progress_file={progress}",
+    ])
+    log_path = os.path.join(out, "log.txt")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(out), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            seen = _wait_for_phase(proc, progress, 2, "update_actor")
+            victims = seen["workers"]["llama_pair"]
+            assert victims and set(victims).isdisjoint(seen["workers"]["qwen_char"])
+            for where in victims:
+                os.kill(int(where.rsplit(":", 1)[1]), signal.SIGKILL)
+            rc = proc.wait(timeout=300)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=60)
+    text = open(log_path).read()
+    assert rc == 1, text[-4000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: agent 'llama_pair': "), errors or text[-4000:]
+    ckpt = os.path.join(out, "ckpt")
+    assert open(os.path.join(ckpt, LATEST_FILE)).read().strip() == "1"
+    assert sorted(os.listdir(ckpt)) == ["global_step_1", LATEST_FILE]
+    assert checkpoint_problem(os.path.join(ckpt, "global_step_1"), NAMES) is None
+    assert sorted(_steps(out)) == [1]
