@@ -453,7 +453,9 @@ def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, c
             "",
             header,
             sep,
-            *arm_rows(main + abl, ["gspo2x", "hacpo", *ABLATIONS], names, at_step=at),
+            # the reference rows over the ablations' seeds only, so that every row averages the same seeds
+            *arm_rows([s for s in main if s["seed"] in {a["seed"] for a in abl}] + abl,
+                      ["gspo2x", "hacpo", *ABLATIONS], names, at_step=at),
             "",
         ]
     other = sorted({s["pair"] for s in summaries} - {pair})
@@ -571,10 +573,10 @@ def write_plot(path: str, summaries: list[dict], agents: dict, pair: str, smooth
                 pts[0] = [zero[0]]
             xs = sorted(pts)
             axv.plot(xs, [np.mean(pts[x]) * 100 for x in xs], style, marker="o", label=ALL_ARMS[k].label)
-        ax.set_title(f"{n}: on-policy train reward (T=1, moving avg {smooth} steps, mean over seeds)")
+        ax.set_title(f"{n}: on-policy train reward\n(T=1, moving avg {smooth} steps, mean over seeds)", fontsize=10)
         ax.set_xlabel("step")
         ax.set_ylabel("reward %")
-        axv.set_title(f"{n}: held-out greedy accuracy (mean over seeds)")
+        axv.set_title(f"{n}: held-out greedy accuracy (mean over seeds)", fontsize=10)
         axv.set_xlabel("step")
         axv.set_ylabel("accuracy %")
         ax.grid(alpha=0.3)
@@ -612,10 +614,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-timeout", type=int, default=1800)
     p.add_argument("--note", action="append", default=[], help="a line for the results' notes")
     p.add_argument("--report-only", action="store_true", help="start no run; report the cached runs")
+    p.add_argument("--made-by", default="", help="with --report-only: the command that made the cached runs")
     p.add_argument("--smoke", action="store_true", help="CI: 1 arm, 1 seed, 2 steps, tiny agents and eval")
     a = p.parse_args(argv)
 
-    command = "python benchmarks/miniature.py " + shlex.join(argv if argv is not None else sys.argv[1:])
+    args = list(argv if argv is not None else sys.argv[1:])
+    if "--made-by" in args:
+        del args[args.index("--made-by"):args.index("--made-by") + 2]
+    command = "python benchmarks/miniature.py " + shlex.join(args)
+    if a.report_only and a.made_by:
+        command = f"{a.made_by}`; tables rebuilt from its cached runs by `{command} --made-by ..."
     if a.smoke:
         a.steps, a.prompts, a.group, a.val_every, a.val_rows = 2, 4, 2, 2, 16
         a.seeds, a.arms, a.ablations, a.micro = [0], "hacpo", "none", 64
