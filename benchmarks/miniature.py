@@ -201,12 +201,14 @@ class Setup:
     val_every: int
     val_rows: int
     micro: int
+    mini_batches: int = 1  # optimizer updates per step (HACPO's update index m runs 0..mini_batches-1)
 
 
 def run_overrides(arm: Arm, seed: int, agents: list[dict], setup: Setup, run_dir: str, first: bool) -> list[str]:
     g = setup.group * arm.group_mult
     # verl needs every batch it scores or trains on to split into whole micro-batches
-    micro = math.gcd(setup.micro, setup.prompts * setup.group)
+    mini_prompts = setup.prompts // setup.mini_batches
+    micro = math.gcd(setup.micro, mini_prompts * setup.group)
     spec = ",".join(
         f"{{name:{a['agent'].name},model_path:'{a['path']}',rollout_n:{g},n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
         for a in agents
@@ -224,7 +226,7 @@ def run_overrides(arm: Arm, seed: int, agents: list[dict], setup: Setup, run_dir
         f"data.seed={seed}",
         "data.max_prompt_length=48",
         "data.max_response_length=8",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={setup.prompts}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_prompts}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.actor.optim.lr={setup.lr}",
         f"actor_rollout_ref.rollout.temperature={setup.temperature}",
@@ -283,17 +285,23 @@ def summarize(records: list[dict], agents: list[dict], arm: Arm, setup: Setup) -
     }
 
 
+def run_name(pair: str, arm_key: str, seed: int, setup: Setup) -> str:
+    """The run's folder under <work>/runs; runs with several updates per step live apart."""
+    return f"{pair}_{arm_key}_s{seed}" + (f"_mb{setup.mini_batches}" if setup.mini_batches != 1 else "")
+
+
 def _stale(summary: dict, arm: Arm, setup: Setup) -> str:
     """What differs between a cached run and the requested settings ('' when it can be reused)."""
     wanted = {"steps": setup.steps, "group": setup.group * arm.group_mult, "prompts": setup.prompts,
-              "lr": setup.lr, "temperature": setup.temperature}
-    return ", ".join(f"{k} {summary[k]} != {v}" for k, v in wanted.items() if k in summary and summary[k] != v)
+              "lr": setup.lr, "temperature": setup.temperature, "mini_batches": setup.mini_batches}
+    made = {"mini_batches": 1, **summary}  # runs cached before the key existed made one update per step
+    return ", ".join(f"{k} {made[k]} != {v}" for k, v in wanted.items() if k in made and made[k] != v)
 
 
 def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str, pair: str, first: bool,
             timeout: int) -> dict:
     arm = ALL_ARMS[arm_key]
-    run_dir = os.path.join(work, "runs", f"{pair}_{arm_key}_s{seed}")
+    run_dir = os.path.join(work, "runs", run_name(pair, arm_key, seed, setup))
     summary_file = os.path.join(run_dir, "summary.json")
     if os.path.isfile(summary_file):
         with open(summary_file) as f:
@@ -324,6 +332,7 @@ def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str
     summary = summarize(records, agents, arm, setup)
     summary.update({"arm": arm_key, "seed": seed, "pair": pair, "wall_s": wall, "group": setup.group * arm.group_mult,
                     "prompts": setup.prompts, "lr": setup.lr, "temperature": setup.temperature,
+                    "mini_batches": setup.mini_batches,
                     "train_s": sum(summary["timing"].get("step", []))})
     with open(summary_file, "w") as f:
         json.dump(summary, f)
@@ -419,7 +428,10 @@ def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, c
         "",
         f"RL: `python -m recipe_hacpo.main --config-name hacpo_cpu_demo` per run (own Ray session), {setup.steps} steps, "
         f"{setup.prompts} prompts/step, G = {setup.group} per agent (GSPO×2: {2 * setup.group}), temperature "
-        f"{setup.temperature}, Adam lr {setup.lr}, one optimizer update per step (mini-batch = whole batch), GSPO clip "
+        f"{setup.temperature}, Adam lr {setup.lr}, "
+        + ("one optimizer update per step (mini-batch = whole batch)" if setup.mini_batches == 1 else
+           f"{setup.mini_batches} optimizer updates per step (mini-batch = {setup.prompts // setup.mini_batches} prompts)")
+        + ", GSPO clip "
         "3e-4/4e-4, HACPO α = 1, δ = 0.2, δ_step = 0.025, K = 5. Seeds vary the data order (`data.seed`) and the "
         "rollout sampling seed.",
         "",
@@ -602,6 +614,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val-every", type=int, default=20)
     p.add_argument("--val-rows", type=int, default=1024)
     p.add_argument("--micro", type=int, default=512, help="micro-batch rows for log-probs and updates")
+    p.add_argument("--mini-batches", type=int, default=1, help="optimizer updates per step (prompts split evenly)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--arms", default=",".join(ARMS), help="comma list of main arms")
     p.add_argument("--ablations", default=",".join(ABLATIONS), help="comma list of ablation arms, or 'none'")
@@ -630,7 +643,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     os.makedirs(a.results, exist_ok=True)
     os.makedirs(a.work, exist_ok=True)
-    setup = Setup(a.steps, a.prompts, a.group, a.lr, a.temperature, a.val_every, a.val_rows, a.micro)
+    if a.mini_batches < 1 or a.prompts % a.mini_batches:
+        p.error(f"--prompts {a.prompts} must split into --mini-batches {a.mini_batches} equal parts")
+    setup = Setup(a.steps, a.prompts, a.group, a.lr, a.temperature, a.val_every, a.val_rows, a.micro, a.mini_batches)
     extra = [] if a.extra_pairs == "none" else a.extra_pairs.split(",")
     keys = sorted({k for pr in [a.pair, *extra] for k in PAIRS[pr]}, key=list(AGENTS).index)
     agents = warm_agents(keys, os.path.join(a.work, "agents"), a.smoke)
@@ -662,7 +677,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def job(i: int) -> None:
         pr, arm, seed = plan[i]
-        cached = os.path.isfile(os.path.join(a.work, "runs", f"{pr}_{arm}_s{seed}", "summary.json"))
+        cached = os.path.isfile(os.path.join(a.work, "runs", run_name(pr, arm, seed, setup), "summary.json"))
         if not cached and (a.report_only or (a.budget_min and (time.time() - started) / 60 > a.budget_min)):
             with lock:
                 skipped.append(f"{pr}/{arm}/seed {seed}")
