@@ -298,19 +298,29 @@ def _stale(summary: dict, arm: Arm, setup: Setup) -> str:
     return ", ".join(f"{k} {made[k]} != {v}" for k, v in wanted.items() if k in made and made[k] != v)
 
 
+def cached_run(work: str, pair: str, arm_key: str, seed: int, setup: Setup) -> dict | None:
+    """The summary of a finished run made with these settings, or None (none, or made with others)."""
+    summary_file = os.path.join(work, "runs", run_name(pair, arm_key, seed, setup), "summary.json")
+    if not os.path.isfile(summary_file):
+        return None
+    with open(summary_file) as f:
+        summary = json.load(f)
+    stale = _stale(summary, ALL_ARMS[arm_key], setup)
+    if stale:
+        log(f"{pair}/{arm_key}/seed {seed}: cached run made with other settings ({stale}); not reused")
+        return None
+    return summary
+
+
 def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str, pair: str, first: bool,
             timeout: int) -> dict:
     arm = ALL_ARMS[arm_key]
+    summary = cached_run(work, pair, arm_key, seed, setup)
+    if summary is not None:
+        log(f"{pair}/{arm_key}/seed {seed}: cached")
+        return summary
     run_dir = os.path.join(work, "runs", run_name(pair, arm_key, seed, setup))
     summary_file = os.path.join(run_dir, "summary.json")
-    if os.path.isfile(summary_file):
-        with open(summary_file) as f:
-            summary = json.load(f)
-        stale = _stale(summary, arm, setup)
-        if not stale:
-            log(f"{pair}/{arm_key}/seed {seed}: cached")
-            return summary
-        log(f"{pair}/{arm_key}/seed {seed}: cached run made with other settings ({stale}); running again")
     os.makedirs(run_dir, exist_ok=True)
     metrics_file = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics_file):
@@ -677,16 +687,16 @@ def main(argv: list[str] | None = None) -> int:
 
     def job(i: int) -> None:
         pr, arm, seed = plan[i]
-        cached = os.path.isfile(os.path.join(a.work, "runs", run_name(pr, arm, seed, setup), "summary.json"))
+        run_setup = setup
+        if arm in ABLATIONS and a.ablation_steps and a.ablation_steps != setup.steps:
+            run_setup = dataclasses.replace(setup, steps=a.ablation_steps, val_every=a.ablation_steps)
+        cached = cached_run(a.work, pr, arm, seed, run_setup) is not None
         if not cached and (a.report_only or (a.budget_min and (time.time() - started) / 60 > a.budget_min)):
             with lock:
                 skipped.append(f"{pr}/{arm}/seed {seed}")
             return
         pair_agents = [agents[k] for k in PAIRS[pr]]
         try:
-            run_setup = setup
-            if arm in ABLATIONS and a.ablation_steps and a.ablation_steps != setup.steps:
-                run_setup = dataclasses.replace(setup, steps=a.ablation_steps, val_every=a.ablation_steps)
             summary = run_one(arm, seed, pair_agents, run_setup, a.work, pr, first=(i == 0), timeout=a.run_timeout)
         except (RuntimeError, subprocess.TimeoutExpired) as err:
             log(f"FAILED: {err}")

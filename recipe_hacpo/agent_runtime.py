@@ -9,6 +9,7 @@ verl's worker API directly; every DataProto ↔ TensorDict conversion lives here
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import numpy as np
@@ -168,13 +169,9 @@ class AgentRuntime:
 
         So that an operator (or a test) can find, profile or stop the processes of one agent.
         """
-        import ray
 
         def where(_worker) -> str:
-            import os as _os
-            import socket
-
-            return f"{socket.gethostname()}:{_os.getpid()}"
+            return f"{socket.gethostname()}:{os.getpid()}"
 
         return ray.get([w.__ray_call__.remote(where) for w in self.wg.workers])
 

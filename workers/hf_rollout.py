@@ -633,12 +633,8 @@ class HFRolloutServer:
     async def _run_batch(self, batch: list[_Request]) -> None:
         self._no_batch.clear()
         try:
-            seeds = [r.seed for r in batch]
             results = await asyncio.to_thread(
-                self.engine.generate,
-                [r.prompt_ids for r in batch],
-                batch[0].sampling,
-                seeds if any(seed is not None for seed in seeds) else None,
+                self.engine.generate, [r.prompt_ids for r in batch], batch[0].sampling, [r.seed for r in batch]
             )
         except Exception as exc:  # every waiting caller gets the error, the server lives on
             for request in batch:
