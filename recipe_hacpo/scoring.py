@@ -54,7 +54,23 @@ def load_reward_fn(cfg: DictConfig) -> Callable[..., Any]:
         ) from exc
     if fn is None:
         raise ConfigError("reward.custom_reward_function: no function could be loaded")
+    _check_math_reward_settings(cfg)
     return fn
+
+
+def _check_math_reward_settings(cfg: DictConfig) -> None:
+    """The package's math reward reads `timeout_s` and `isolation` from `reward_kwargs`: reject
+    a bad value here, before Ray, instead of failing every sample of the first step."""
+    import recipe_hacpo.reward.math_reward as math_reward
+
+    crf = cfg.reward.custom_reward_function
+    if os.path.realpath(str(crf.path)) != os.path.realpath(math_reward.__file__):
+        return
+    kwargs = dict(crf.get("reward_kwargs") or {})
+    try:
+        math_reward.settings(kwargs)
+    except ValueError as exc:
+        raise ConfigError(f"reward.custom_reward_function.reward_kwargs.{exc}") from None
 
 
 @dataclass
@@ -107,6 +123,15 @@ class Verifier:
                 errors += 1
                 continue
             value = result.value
+            # a reward function that bounds its own work reports failures as a reason, not an
+            # exception (math_reward: "timeout", "error:<type>"); count them all the same
+            reason = str(value.get("reason", "")) if isinstance(value, dict) else ""
+            if reason == "timeout":
+                timeouts += 1
+                continue
+            if reason.startswith("error"):
+                errors += 1
+                continue
             score = value.get("score", 0.0) if isinstance(value, dict) else value
             try:
                 score = float(score)

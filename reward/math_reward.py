@@ -113,15 +113,23 @@ def _no_answer_reason(spec: AnswerSpec) -> str:
     return "no_boxed_answer" if spec.extract == "boxed" else "no_answer"
 
 
-def _timeout_setting(kwargs: dict) -> float:
-    """``timeout_s`` from the call (verl's ``reward_kwargs``); invalid values mean the default."""
+def settings(kwargs: dict) -> tuple[float, str]:
+    """``(timeout_s, isolation)`` from the call's keyword arguments (verl's ``reward_kwargs``).
+
+    A setting is configuration, not model output: an invalid one raises ``ValueError`` naming
+    it, rather than quietly meaning the default.
+    """
+    raw = kwargs.get("timeout_s", DEFAULT_TIMEOUT_S)
     try:
-        value = float(kwargs.get("timeout_s", DEFAULT_TIMEOUT_S))
+        timeout_s = float(raw)
     except (TypeError, ValueError):
-        return DEFAULT_TIMEOUT_S
-    if not math.isfinite(value) or value <= 0:
-        return DEFAULT_TIMEOUT_S
-    return min(value, MAX_TIMEOUT_S)
+        timeout_s = float("nan")
+    if not math.isfinite(timeout_s) or not 0 < timeout_s <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout_s={raw!r}: must be a number of seconds in (0, {MAX_TIMEOUT_S:g}]")
+    isolation = kwargs.get("isolation", "auto")
+    if isolation not in timeouts.ISOLATION_MODES:
+        raise ValueError(f"isolation={isolation!r}: must be one of {', '.join(timeouts.ISOLATION_MODES)}")
+    return timeout_s, isolation
 
 
 _warm = False
@@ -161,7 +169,7 @@ def _compare_math(golds: list[str], pred: str, timeout_s: float, isolation: str)
     return False, reason
 
 
-def _score(data_source, solution_str, ground_truth, kwargs: dict) -> dict:
+def _score(data_source, solution_str, ground_truth, timeout_s: float, isolation: str) -> dict:
     spec = spec_for(data_source)
     golds = _ground_truths(ground_truth)
     if not golds:
@@ -180,8 +188,7 @@ def _score(data_source, solution_str, ground_truth, kwargs: dict) -> dict:
         ok = any(compact == "".join(gold.split()) for gold in golds)
         return _result(ok, compact, "correct" if ok else "mismatch")
 
-    isolation = str(kwargs.get("isolation", "auto"))
-    ok, reason = _compare_math(golds, pred, _timeout_setting(kwargs), isolation)
+    ok, reason = _compare_math(golds, pred, timeout_s, isolation)
     return _result(ok, pred, reason)
 
 
@@ -200,11 +207,12 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kw
 
     Returns:
         ``{"score": float, "acc": float, "pred": str, "reason": str}``; never raises on
-        model output. ``reason`` is ``correct``, ``mismatch``, ``no_boxed_answer``,
+        model output (``ValueError`` on an invalid ``timeout_s`` / ``isolation`` setting). ``reason`` is ``correct``, ``mismatch``, ``no_boxed_answer``,
         ``no_answer``, ``parse_error``, ``timeout``, ``answer_too_long``,
         ``answer_too_complex``, ``empty_ground_truth`` or ``error:<detail>``.
     """
+    timeout_s, isolation = settings(kwargs)
     try:
-        return _score(data_source, solution_str, ground_truth, kwargs)
+        return _score(data_source, solution_str, ground_truth, timeout_s, isolation)
     except Exception as exc:
         return _result(False, "", f"error:{type(exc).__name__}")

@@ -43,7 +43,7 @@ MAX_START_FAILURES = 3
 """After this many consecutive failed worker start-ups a pool is no longer used."""
 
 _ALARM_REPEAT_S = 0.05
-_ISOLATION_MODES = ("auto", "process", "thread", "inline")
+ISOLATION_MODES = ("auto", "process", "thread", "inline")
 
 
 class DeadlineExceeded(BaseException):
@@ -307,8 +307,8 @@ def run_bounded(module: ModuleType, fn_name: str, args: list, timeout_s: float, 
     (always a worker process), ``thread`` (soft bound in a daemon thread), ``inline`` (no bound).
     If worker processes cannot be started the call falls back to ``thread``.
     """
-    if isolation not in _ISOLATION_MODES:
-        isolation = "auto"
+    if isolation not in ISOLATION_MODES:
+        raise ValueError(f"isolation={isolation!r}: must be one of {', '.join(ISOLATION_MODES)}")
     fn = getattr(module, fn_name)
     if isolation == "inline":
         try:

@@ -411,6 +411,21 @@ def test_verifier_runs_async_reward_functions(char_tokenizer):
     assert outcome.rewards.tolist() == [1.0, 0.0] and outcome.errors == 0
 
 
+def test_verifier_counts_failures_the_reward_function_reports_as_reasons(char_tokenizer):
+    """math_reward never raises on model output: its own timeouts and caught errors come back as
+    a `reason`, and must still reach reward/timeouts and reward/errors."""
+
+    def reward(data_source, solution_str, ground_truth, extra_info=None):
+        kind = solution_str.strip()
+        reason = {"t": "timeout", "e": "error:RecursionError"}.get(kind, "mismatch")
+        return {"score": 0.0, "reason": reason}
+
+    texts = ["t", "e", "x", "e", "t", "t"]
+    outcome = Verifier(reward, timeout_s=5).score(rollout_for(char_tokenizer, texts, ["7"] * len(texts)), char_tokenizer)
+    assert (outcome.errors, outcome.timeouts, outcome.nonfinite) == (2, 3, 0)
+    assert outcome.rewards.tolist() == [0.0] * len(texts)
+
+
 def test_verifier_counts_errors_timeouts_nonfinite_and_goes_on(char_tokenizer):
     release = threading.Event()
 
@@ -579,6 +594,11 @@ def test_cli_empty_parquet_and_batch_larger_than_dataset(tmp_path, monkeypatch, 
          "error: agents[1].name='qwen_char': duplicate agent name; names must be unique"),
         (["reward.custom_reward_function.path=/nonexistent/reward.py"],
          "error: reward.custom_reward_function.path='/nonexistent/reward.py': file not found"),
+        (["+reward.custom_reward_function.reward_kwargs.timeout_s=-1"],
+         "error: reward.custom_reward_function.reward_kwargs.timeout_s=-1: must be a number of seconds in (0, 600]"),
+        (["+reward.custom_reward_function.reward_kwargs.isolation=subprocess"],
+         "error: reward.custom_reward_function.reward_kwargs.isolation='subprocess': "
+         "must be one of auto, process, thread, inline"),
     ],
 )
 def test_cli_bad_agent_settings_one_line_before_ray(tmp_path, monkeypatch, capsys, demo_overrides, extra, line):

@@ -413,9 +413,17 @@ def test_concurrent_threads_get_their_own_answers():
 def test_soft_thread_and_inline_isolation():
     assert compute_score("math", "\\boxed{1/2}", "0.5", isolation="inline")["score"] == 1.0
     assert compute_score("math", "\\boxed{1/2}", "0.5", isolation="thread")["score"] == 1.0
-    assert compute_score("math", "\\boxed{1/2}", "0.5", isolation="bogus")["score"] == 1.0
-    for odd_timeout in ("nan?", float("inf"), float("nan"), -1, None, 1e300):
-        assert compute_score("math", "\\boxed{1/2}", "0.5", timeout_s=odd_timeout)["score"] == 1.0
+
+
+def test_invalid_settings_are_errors_not_defaults():
+    with pytest.raises(ValueError, match=r"^isolation='bogus': must be one of auto, process, thread, inline$"):
+        compute_score("math", "\\boxed{1/2}", "0.5", isolation="bogus")
+    for odd_timeout in ("nan?", float("inf"), float("nan"), -1, 0, None, 1e300):
+        with pytest.raises(ValueError, match=r"^timeout_s=.*: must be a number of seconds in \(0, 600\]$"):
+            compute_score("math", "\\boxed{1/2}", "0.5", timeout_s=odd_timeout)
+    with pytest.raises(ValueError, match="isolation='sometimes'"):
+        timeouts.run_bounded(equivalence, "equivalent", ["1", "1"], 1.0, "sometimes")
+    assert compute_score("math", "\\boxed{1/2}", "0.5", timeout_s="2.5")["score"] == 1.0
 
 
 _FRAGMENTS = st.sampled_from(
