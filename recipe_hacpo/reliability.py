@@ -175,10 +175,11 @@ def check_update_metrics(agent: str, metrics: dict[str, float]) -> dict[str, flo
 
 
 def _finite(value: Any) -> bool:
+    """A finite number; anything that is not a number (None, a string) is not finite either."""
     try:
         return bool(torch.isfinite(torch.as_tensor(float(value))))
     except (TypeError, ValueError):
-        return True
+        return False
 
 
 # ------------------------------------------------------------------------------ worker failures

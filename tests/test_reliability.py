@@ -264,6 +264,8 @@ def test_update_metrics_nonfinite_loss_stops_and_grad_norm_is_counted(capsys):
         check_update_metrics("qwen_char", {"actor/pg_loss": float("nan")})
     with pytest.raises(FloatingPointError, match=r"^agent 'b': actor/kl_loss is inf"):
         check_update_metrics("b", {"actor/pg_loss": 0.0, "actor/kl_loss": float("inf")})
+    with pytest.raises(FloatingPointError, match=r"^agent 'c': actor/pg_loss is None"):
+        check_update_metrics("c", {"actor/pg_loss": None})
     assert check_update_metrics("llama_pair", {"actor/pg_loss": 0.2, "grad_norm": float("inf")}) == {
         "actor/nonfinite_grad_skipped": 1.0
     }
