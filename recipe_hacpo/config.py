@@ -179,7 +179,7 @@ def normalize_model_path(path: str) -> str:
     return path.rstrip("/") or path
 
 
-VLLM_ROLLOUTS = ("vllm", "hacpo_vllm")
+VLLM_ROLLOUTS = ("vllm",)
 
 
 def _validate_gpu_memory(cfg: DictConfig, specs: list[AgentSpec]) -> None:

@@ -88,7 +88,7 @@ def test_preset_composes_and_validates_on_8_gpus(preset):
     assert (actor.policy_loss.loss_mode, actor.loss_agg_mode) == ("gspo", "seq-mean-token-mean")
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (3e-4, 4e-4)
     rollout = cfg.actor_rollout_ref.rollout
-    assert rollout.name in ("vllm", "hacpo_vllm") and rollout.temperature == 1.0
+    assert rollout.name == "vllm" and rollout.temperature == 1.0
     # vLLM's context is the prompt plus the response, not the model's maximum
     assert rollout.max_model_len == cfg.data.max_prompt_length + cfg.data.max_response_length
     assert cfg.trainer.total_epochs == 1 and cfg.trainer.nnodes == 1
