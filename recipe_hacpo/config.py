@@ -103,7 +103,7 @@ def agent_specs(cfg: DictConfig) -> list[AgentSpec]:
             AgentSpec(
                 index=i,
                 name=str(a.name),
-                model_path=str(a.model_path),
+                model_path=normalize_model_path(str(a.model_path)),
                 rollout_n=int(a.get("rollout_n", 8)),
                 n_gpus_per_node=int(a.get("n_gpus_per_node", 0)),
                 nnodes=int(a.get("nnodes", 1)),
@@ -170,7 +170,51 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
 
     _validate_batches(cfg, specs)
     _validate_pools(cfg, specs)
+    _validate_gpu_memory(cfg, specs)
     return specs, hacpo
+
+
+def normalize_model_path(path: str) -> str:
+    """`/models/Qwen3-4B/` -> `/models/Qwen3-4B`: verl asserts on the trailing `/` after Ray is up."""
+    return path.rstrip("/") or path
+
+
+VLLM_ROLLOUTS = ("vllm",)
+
+
+def _validate_gpu_memory(cfg: DictConfig, specs: list[AgentSpec]) -> None:
+    """vLLM agents: max_model_len covers prompt + response, and the memory plan fits.
+
+    The plan (recipe_hacpo/planner.py) needs each model's config.json; an agent whose
+    config.json is not readable locally is checked only where that needs no shape (shared
+    pools demand offload and a bounded sum of gpu_memory_utilization). CPU runs (`hf`
+    rollout) are not checked.
+    """
+    from recipe_hacpo import planner
+
+    vllm = [s for s in specs if str(_agent_section(cfg, s, "rollout").name) in VLLM_ROLLOUTS]
+    if not vllm:
+        return
+    needed = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
+    for s in vllm:
+        max_len = _agent_section(cfg, s, "rollout").get("max_model_len")
+        if max_len is not None and int(max_len) < needed:
+            raise ConfigError(
+                f"agents[{s.index}] ({s.name}): actor_rollout_ref.rollout.max_model_len={max_len} is shorter than "
+                f"data.max_prompt_length + data.max_response_length = {needed}; set it to {needed}"
+            )
+    for p in planner.plan(cfg, vllm):
+        spec = next(s for s in vllm if s.name == p.name)
+        if p.known and p.max_model_len > p.shape.max_position_embeddings > 0:
+            raise ConfigError(
+                f"agents[{spec.index}] ({p.name}): actor_rollout_ref.rollout.max_model_len={p.max_model_len} exceeds "
+                f"the model's max_position_embeddings={p.shape.max_position_embeddings}"
+            )
+        if p.problems:
+            raise ConfigError(
+                f"agents[{spec.index}] ({p.name}) on {p.gpus} GPU(s) of {float(cfg.trainer.get('gpu_memory_gib', 80)):g} GiB: "
+                f"{p.problems[0]} (trainer.plan_only=true prints the whole plan)"
+            )
 
 
 def _model_path_exists(path: str) -> bool:

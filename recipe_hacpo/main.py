@@ -93,6 +93,27 @@ def build_dataloaders(cfg: DictConfig, tokenizer):
     return loader, val_loader, steps
 
 
+def plan_only(cfg: DictConfig) -> int:
+    """`trainer.plan_only=true`: print each agent's GPU memory plan, validate, start nothing.
+
+    Returns the exit status: 0 when every agent fits (or could not be estimated: no local
+    config.json), 1 when one does not fit; other configuration errors raise ConfigError.
+    """
+    from recipe_hacpo import planner
+    from recipe_hacpo.config import agent_specs
+
+    gib = float(cfg.trainer.get("gpu_memory_gib", 80))
+    plans = planner.plan(cfg, agent_specs(cfg), gib)
+    print(planner.format_plan(plans, gib))
+    bad = [p for p in plans if p.problems]
+    if bad:
+        print(f"error: agent {bad[0].name}: {bad[0].problems[0]}", file=sys.stderr)
+        return 1
+    # model dirs need not exist on the machine that plans
+    validate(cfg, check_paths=False)
+    return 0
+
+
 def run(cfg: DictConfig) -> dict:
     """Train; returns the last step's metrics."""
     from verl.utils import hf_tokenizer
@@ -122,6 +143,8 @@ def main(cfg: DictConfig) -> None:
     from recipe_hacpo.reliability import AgentError, CheckpointError
 
     try:
+        if cfg.trainer.get("plan_only", False):
+            sys.exit(plan_only(cfg))
         run(cfg)
     except (ConfigError, DataFormatError) as err:
         print(f"error: {err}", file=sys.stderr)

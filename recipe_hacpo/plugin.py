@@ -10,9 +10,10 @@ What is registered:
   On GPU/NPU hosts nothing changes. `HACPO_CPU_PLATFORM=0` opts out entirely.
 - the `hf` rollout backend (`workers/hf_rollout.py` via `workers/verl_touchpoints.py`),
   always: it is inert unless `actor_rollout_ref.rollout.name=hf`.
-- the `hacpo_vllm` rollout backend (`workers/vllm_rollout.py`: verl's vLLM rollout with
-  per-agent server and weight-socket names, needed when several agents share a Ray job),
-  always, lazily: nothing from vLLM is imported unless `rollout.name=hacpo_vllm`.
+- verl's `vllm` rollout name resolved to `workers/vllm_rollout.py` (verl's vLLM rollout with
+  per-agent server and weight-socket names, needed when several agents share a Ray job;
+  identical to verl's when no agent name is set), always, lazily: nothing from vLLM is
+  imported unless a `vllm` rollout is built.
 
 verl runs this module at the very end of `verl/__init__.py` and swallows plugin exceptions
 at DEBUG level, so failures are logged here as warnings instead of vanishing.

@@ -33,5 +33,5 @@ esac
 
 exec python -m recipe_hacpo.main --config-name "$PRESET" \
     hydra.run.dir="$HACPO_OUTPUT_DIR/$PAIR/hydra/$(date +%Y%m%d-%H%M%S)" \
-    "${placement[@]}" \
+    ${placement[@]+"${placement[@]}"} \
     "$@"

@@ -30,6 +30,14 @@ PAPER = {
 }
 PRESETS = sorted(p.stem for p in CONFIGS.glob("pair_*.yaml"))
 GPUS_8 = ["++ray_kwargs.ray_init.num_gpus=8"]
+# what run_scripts/_run_pair.sh adds for PLACEMENT=shared
+SHARED = [
+    "agents.0.n_gpus_per_node=0",
+    "agents.1.n_gpus_per_node=0",
+    "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+    "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+    "actor_rollout_ref.rollout.gpu_memory_utilization=0.35",
+]
 
 
 def _pair(preset: str) -> str:
@@ -80,13 +88,17 @@ def test_preset_composes_and_validates_on_8_gpus(preset):
     assert (actor.policy_loss.loss_mode, actor.loss_agg_mode) == ("gspo", "seq-mean-token-mean")
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (3e-4, 4e-4)
     rollout = cfg.actor_rollout_ref.rollout
-    assert rollout.name in ("vllm", "hacpo_vllm") and rollout.temperature == 1.0
+    assert rollout.name == "vllm" and rollout.temperature == 1.0
+    # vLLM's context is the prompt plus the response, not the model's maximum
+    assert rollout.max_model_len == cfg.data.max_prompt_length + cfg.data.max_response_length
     assert cfg.trainer.total_epochs == 1 and cfg.trainer.nnodes == 1
 
     # placement: one pool of 4 GPUs per agent on 8 GPUs, or one shared pool of 4 GPUs
     if preset.endswith("_4gpu"):
         assert [s.n_gpus_per_node for s in specs] == [0, 0] and cfg.trainer.n_gpus_per_node == 4
         assert actor.fsdp_config.param_offload and actor.fsdp_config.optimizer_offload
+        # two replicas awake together must leave room: the sum stays within the shared-pool bound
+        assert 2 * rollout.gpu_memory_utilization <= 0.8
     else:
         assert [s.n_gpus_per_node for s in specs] == [4, 4] and cfg.trainer.n_gpus_per_node == 8
 
@@ -113,12 +125,13 @@ def test_paths_come_from_the_environment(monkeypatch):
 @pytest.mark.parametrize(
     "overrides, gpus",
     [
-        # run_scripts/pair_*.sh PLACEMENT=shared: both agents on one pool of 8
-        (["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"], 8),
+        # run_scripts/pair_*.sh PLACEMENT=shared: both agents on one pool of 8, actors offloaded
+        # and vLLM at 0.35 (two replicas are awake together after a weight sync)
+        (SHARED, 8),
         # the SLURM script on 2 nodes x 8 GPUs: one node per agent
         (["trainer.nnodes=2", "agents.0.n_gpus_per_node=8", "agents.1.n_gpus_per_node=8"], 16),
         # the SLURM script with PLACEMENT=shared on 2 nodes x 8 GPUs
-        (["trainer.nnodes=2", "agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"], 16),
+        (["trainer.nnodes=2"] + SHARED, 16),
     ],
 )
 def test_placement_variants_validate(overrides, gpus):

@@ -18,7 +18,7 @@ SLURM = REPO / "run_scripts" / "slurm" / "hacpo.slurm"
 SCRIPTS = sorted(REPO.glob("run_scripts/**/*.sh")) + sorted(REPO.glob("run_scripts/**/*.slurm"))
 PAIR_SCRIPTS = sorted(REPO.glob("run_scripts/pair_*.sh"))
 PAIR = "qwen3-1p7b-base_qwen3-4b-base"
-ENV_LOGGED = ("RAY_ADDRESS", "PLACEMENT", "PRESET", "HACPO_MODEL_A", "HACPO_DATA_DIR")
+ENV_LOGGED = ("RAY_ADDRESS", "PLACEMENT", "PRESET", "HACPO_MODEL_A", "HACPO_DATA_DIR", "HF_HUB_OFFLINE")
 
 # Each stand-in appends one line: its name and argv joined by \x1f, then \x1e and the
 # environment variables of ENV_LOGGED joined by \x1f.
@@ -36,15 +36,23 @@ fi
     printf '%s' "$name"
     printf '\x1f%s' "$@"
     printf '\x1e'
-    printf '%s\x1f' "${RAY_ADDRESS:-}" "${PLACEMENT:-}" "${PRESET:-}" "${HACPO_MODEL_A:-}" "${HACPO_DATA_DIR:-}"
+    printf '%s\x1f' "${RAY_ADDRESS:-}" "${PLACEMENT:-}" "${PRESET:-}" "${HACPO_MODEL_A:-}" "${HACPO_DATA_DIR:-}" \
+        "${HF_HUB_OFFLINE:-}"
     printf '\n'
 } >>"$STANDIN_LOG"
 case $name in
     scontrol) [[ $1 == show && $2 == hostnames ]] && tr ' ' '\n' <<<"$STANDIN_HOSTS" ;;
-    srun) [[ " $* " == *" hostname "* ]] && echo "10.0.0.1 192.168.7.1" ;;
 esac
 exit 0
 """
+
+# Network stand-ins for run_scripts/slurm/head_ip.sh (not logged): `ip route get` prints
+# $STANDIN_ROUTE, `hostname --all-ip-addresses` prints $STANDIN_ADDRS.
+NET_STANDINS = {
+    "ip": '#!/usr/bin/env bash\n[[ -n ${STANDIN_ROUTE:-} ]] && echo "$STANDIN_ROUTE"\nexit 0\n',
+    "hostname": '#!/usr/bin/env bash\ncase ${1:-} in --all-ip-addresses) echo "${STANDIN_ADDRS:-}" ;; *) echo node ;; esac\n',
+}
+ROUTE = "8.8.8.8 via 10.0.0.254 dev eth0 src 10.0.0.1 uid 0"
 
 
 def _shellcheck() -> str:
@@ -83,16 +91,16 @@ def test_shellcheck_clean():
 def standins(tmp_path):
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name in ("srun", "scontrol", "ray", "python"):
+    for name in ("srun", "scontrol", "ray", "python", *NET_STANDINS):
         path = bin_dir / name
-        path.write_text(STANDIN)
+        path.write_text(NET_STANDINS.get(name, STANDIN))
         path.chmod(0o755)
     log = tmp_path / "calls.log"
     log.touch()
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "HACPO_", "RAY_")) and k not in ("PAIR", "PRESET", "PLACEMENT", "VIRTUAL_ENV")
+        if not k.startswith(("SLURM_", "HACPO_", "RAY_", "HF_")) and k not in ("PAIR", "PRESET", "PLACEMENT", "VIRTUAL_ENV")
     }
     env.update(PATH=f"{bin_dir}:{env['PATH']}", STANDIN_LOG=str(log), RAY_START_DELAY="0")
 
@@ -119,6 +127,8 @@ def _slurm_env(nodes: list[str], gpus: int = 8, **extra) -> dict:
         "SLURM_CPUS_PER_TASK": "32",
         "SLURM_SUBMIT_DIR": str(REPO),
         "STANDIN_HOSTS": " ".join(nodes),
+        "STANDIN_ROUTE": ROUTE,
+        "STANDIN_ADDRS": "10.0.0.1 192.168.7.1",
         **extra,
     }
 
@@ -154,7 +164,7 @@ def test_slurm_two_nodes_starts_head_worker_and_trainer(standins):
     names = [argv[0] for argv, _ in calls]
     assert names.count("scontrol") == 1 and calls[0][0] == ["scontrol", "show", "hostnames", "gpu[01,02]"]
     sruns = [argv for argv, _ in calls if argv[0] == "srun"]
-    starts = [a for a in sruns if "ray" in a]
+    starts = [a for a in sruns if "start" in a]
     heads = [a for a in starts if "--head" in a]
     workers = [a for a in starts if "--head" not in a]
 
@@ -169,6 +179,12 @@ def test_slurm_two_nodes_starts_head_worker_and_trainer(standins):
     assert worker[worker.index("-w") + 1] == "gpu02"
     assert _opt(worker, "--address") == "10.0.0.1:6379" and _opt(worker, "--num-gpus") == "8"
     assert "--export=ALL" in head and "--export=ALL" in worker
+    # every Ray step asks for the node's CPUs, GPUs and memory (core cgroups would pin it to
+    # one CPU otherwise), and Ray is told the same CPU count
+    for step in (head, worker):
+        srun_opts = step[: step.index("ray")]
+        assert _opt(srun_opts, "--cpus-per-task") == "32" and _opt(srun_opts, "--gpus-per-node") == "8"
+        assert _opt(srun_opts, "--mem") == "0" and _opt(step, "--num-cpus") == "32"
 
     pythons = [(argv, env) for argv, env in calls if argv[0] == "python"]
     [(wait, _), (trainer, env)] = pythons
@@ -190,24 +206,30 @@ def test_slurm_two_nodes_starts_head_worker_and_trainer(standins):
     assert trainer[-1] == "trainer.total_training_steps=3"
     assert env["RAY_ADDRESS"] == "10.0.0.1:6379" and env["PLACEMENT"] == "preset"
 
-    # order: head and worker started, then the wait for every GPU, then the trainer
+    # order: head and worker started, then the wait for every GPU, then the trainer, then
+    # `ray stop` on every node from the exit trap
     index = [argv for argv, _ in calls].index
-    assert max(index(head), index(worker)) < index(wait) < index(trainer) == len(calls) - 1
-    assert len(calls) == 6  # scontrol, srun hostname, head, worker, wait, trainer
+    stop = calls[-1][0]
+    assert stop[0] == "srun" and "--overlap" in stop and stop[-3:] == ["ray", "stop", "--force"]
+    assert _opt(stop, "--nodes") == "2" and _opt(stop, "--ntasks-per-node") == "1"
+    assert max(index(head), index(worker)) < index(wait) < index(trainer) == len(calls) - 2
+    assert len(calls) == 6  # scontrol, head, worker, wait, trainer, ray stop
+    # hub ids: nothing says the models are local, so the hub setting is left alone
+    assert env["HF_HUB_OFFLINE"] == ""
 
 
 def test_slurm_one_node_and_shared_placement(standins):
     proc, calls = standins(SLURM, **_slurm_env(["gpu07"]), PAIR=PAIR)
     assert proc.returncode == 0, proc.stderr
-    starts = [argv for argv, _ in calls if argv[0] == "srun" and "ray" in argv]
+    starts = [argv for argv, _ in calls if argv[0] == "srun" and "start" in argv]
     assert len(starts) == 1 and "--head" in starts[0]
-    trainer = calls[-1][0]
+    trainer = calls[-2][0]
     assert "trainer.nnodes=1" in trainer and "agents.0.n_gpus_per_node=4" in trainer and "agents.1.n_gpus_per_node=4" in trainer
 
     proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02", "gpu03"], gpus=4), PAIR=PAIR, PLACEMENT="shared")
     assert proc.returncode == 0, proc.stderr
-    assert len([a for a, _ in calls if a[0] == "srun" and "ray" in a and "--head" not in a]) == 2
-    trainer, env = calls[-1]
+    assert len([a for a, _ in calls if a[0] == "srun" and "start" in a and "--head" not in a]) == 2
+    trainer, env = calls[-2]
     assert "trainer.nnodes=3" in trainer and "trainer.n_gpus_per_node=4" in trainer
     # the pair script turns PLACEMENT=shared into the shared-pool overrides
     assert env["PLACEMENT"] == "shared" and "agents.0.n_gpus_per_node=0" in trainer
@@ -221,12 +243,92 @@ def test_slurm_one_node_and_shared_placement(standins):
         ({"PAIR": "gpt-9"}, "PAIR=gpt-9: no run_scripts/pair_gpt-9.sh"),
         ({"PAIR": PAIR, "PRESET": "pair_nope"}, "no configs/pair_nope.yaml"),
         ({"PAIR": PAIR, "STANDIN_HOSTS": "gpu01 gpu02 gpu03"}, "PLACEMENT=split needs an even number of nodes"),
+        ({"PAIR": PAIR, "CPUS_PER_NODE": "many"}, "CPUs per node 'many' is not a positive number"),
+        ({"PAIR": PAIR, "STANDIN_ROUTE": "", "STANDIN_ADDRS": "127.0.1.1 fe80::1"}, "no routable address"),
     ],
 )
 def test_slurm_refuses_bad_settings_before_starting_ray(standins, extra, message):
     proc, calls = standins(SLURM, **{**_slurm_env(["gpu01", "gpu02"]), **extra})
     assert proc.returncode == 2 and message in proc.stderr
     assert not any(argv[0] in ("srun", "python") for argv, _ in calls)
+
+
+@pytest.mark.parametrize(
+    "route, addrs, extra, expected",
+    [
+        # the default route's source address
+        (ROUTE, "127.0.1.1", {}, "10.0.0.1"),
+        # no route: the first address that is neither loopback nor link-local
+        ("", "127.0.1.1 fe80::1 169.254.3.3 10.9.8.7 10.0.0.1", {}, "10.9.8.7"),
+        # a loopback route source is skipped too
+        ("8.8.8.8 dev lo src 127.0.0.1 uid 0", "fe80::2 2001:db8::5", {}, "2001:db8::5"),
+        # HEAD_IP wins over both
+        (ROUTE, "10.0.0.1", {"HEAD_IP": "172.16.0.9"}, "172.16.0.9"),
+    ],
+)
+def test_slurm_head_address_is_routable_or_the_override(standins, route, addrs, extra, expected):
+    env = {**_slurm_env(["gpu01", "gpu02"]), "STANDIN_ROUTE": route, "STANDIN_ADDRS": addrs, **extra}
+    proc, calls = standins(SLURM, **env, PAIR=PAIR)
+    assert proc.returncode == 0, proc.stderr
+    [head] = [argv for argv, _ in calls if "--head" in argv]
+    assert _opt(head, "--node-ip-address") == expected
+    [worker] = [argv for argv, _ in calls if argv[0] == "srun" and "--address" in " ".join(argv)]
+    assert _opt(worker, "--address") == (f"[{expected}]:6379" if ":" in expected else f"{expected}:6379")
+
+
+def test_slurm_sets_hf_hub_offline_for_local_models(standins, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    local = {"HACPO_MODEL_A": str(tmp_path / "a"), "HACPO_MODEL_B": str(tmp_path / "b")}
+    proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02"]), **local, PAIR=PAIR)
+    assert proc.returncode == 0, proc.stderr
+    ray_and_trainer = [env for argv, env in calls if "start" in argv or "recipe_hacpo.main" in argv]
+    assert len(ray_and_trainer) >= 3 and all(env["HF_HUB_OFFLINE"] == "1" for env in ray_and_trainer)
+    # a value the user set is kept; one model on the hub leaves it unset
+    proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02"]), **local, HF_HUB_OFFLINE="0", PAIR=PAIR)
+    assert calls[-2][1]["HF_HUB_OFFLINE"] == "0"
+    proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02"]), HACPO_MODEL_A=str(tmp_path / "a"),
+                           HACPO_MODEL_B="Qwen/Qwen3-4B-Base", PAIR=PAIR)
+    assert calls[-2][1]["HF_HUB_OFFLINE"] == ""
+
+
+def test_ray_stop_runs_on_exit_even_when_the_trainer_fails(standins, tmp_path):
+    # a `python` that logs like the other stand-ins, then fails for the trainer
+    failing = tmp_path / "fail" / "python"
+    failing.parent.mkdir()
+    failing.write_text(STANDIN.replace("\nexit 0\n", '\n[[ " $* " == *" recipe_hacpo.main "* ]] && exit 3\nexit 0\n'))
+    failing.chmod(0o755)
+    path = f"{failing.parent}:{tmp_path / 'bin'}:{os.environ['PATH']}"
+    proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02"]), PAIR=PAIR, PATH=path)
+    assert proc.returncode == 3, proc.stderr
+    assert "recipe_hacpo.main" in calls[-2][0]
+    assert calls[-1][0][0] == "srun" and calls[-1][0][-3:] == ["ray", "stop", "--force"]
+
+
+# bash < 4.4 treats "${arr[@]}" of an empty array as unbound under `set -u`
+def _empty_array_expansions(text: str) -> list[str]:
+    import re
+
+    bad = []
+    # arrays that are ever assigned empty, anywhere (`x=()`, `preset) x=() ;;`)
+    for name in sorted(set(re.findall(r"\b(\w+)=\(\)", text))):
+        guarded = re.compile(r"if \(\(\$\{#" + name + r"\[@\]\} > 0\)\); then\n\s*.*\"\$\{" + name + r"\[@\]\}\"")
+        safe = text.replace(f'${{{name}[@]+"${{{name}[@]}}"}}', "")
+        safe = guarded.sub("", safe)
+        if f'"${{{name}[@]}}"' in safe:
+            bad.append(name)
+    return bad
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_bare_expansion_of_a_possibly_empty_array(script):
+    assert _empty_array_expansions(script.read_text()) == []
+
+
+def test_empty_array_check_catches_the_bare_form():
+    assert _empty_array_expansions('x=()\nfoo "${x[@]}"\n') == ["x"]
+    assert _empty_array_expansions('case $p in\n    a) x=() ;;\n    *) x=(1) ;;\nesac\nfoo "${x[@]}"\n') == ["x"]
+    assert _empty_array_expansions('x=()\nfoo ${x[@]+"${x[@]}"}\n') == []
 
 
 # --------------------------------------------------------------------------- wait_for_ray.py

@@ -1,10 +1,10 @@
-"""The `hacpo_vllm` rollout backend (`workers/vllm_rollout.py`) without vLLM installed.
+"""The `vllm` rollout backend with per-agent names (`workers/vllm_rollout.py`) without vLLM installed.
 
 Three layers:
 
 1. pure naming functions, in-process;
 2. registration laziness, in a fresh interpreter: `import verl` (which runs the plugin)
-   must not import vLLM or verl's vLLM modules, yet resolving `hacpo_vllm` must;
+   must not import vLLM or verl's vLLM modules, yet resolving `vllm` must give our classes;
 3. verl's real vLLM classes, imported in a fresh interpreter with an automatic stub
    `vllm` package (every `vllm.*` module exists and every attribute is a dummy class).
    There, verl's own code runs around the overridden hooks: `vLLMReplica.launch_servers`
@@ -25,6 +25,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -37,7 +38,7 @@ TINY_KIND = "qwen2-char-small"
 # ---------------------------------------------------------------------------------------
 
 
-def _rollout_config(agent: str | None, name: str = "hacpo_vllm"):
+def _rollout_config(agent: str | None, name: str = "vllm"):
     from verl.workers.config import RolloutConfig
 
     return RolloutConfig(
@@ -121,14 +122,20 @@ def _probe_lazy() -> dict:
     import recipe_hacpo.plugin  # noqa: F401
     import recipe_hacpo.workers.vllm_rollout  # noqa: F401
 
+    loader = RolloutReplicaRegistry._registry.get("vllm")
     out = {
         "after_import": _vllm_modules_loaded(),
-        "replica_registered": "hacpo_vllm" in RolloutReplicaRegistry._registry,
-        "adapter_fqn": rollout_base._ROLLOUT_REGISTRY.get(("hacpo_vllm", "async")),
-        "verl_vllm_untouched": rollout_base._ROLLOUT_REGISTRY.get(("vllm", "async")),
+        "replica_loader": f"{loader.__module__}.{loader.__qualname__}" if loader else None,
+        "adapter_fqn": rollout_base._ROLLOUT_REGISTRY.get(("vllm", "async")),
+        "old_name_registered": "hacpo_vllm" in RolloutReplicaRegistry._registry
+        or ("hacpo_vllm", "async") in rollout_base._ROLLOUT_REGISTRY,
+        "other_backends_untouched": [
+            rollout_base._ROLLOUT_REGISTRY.get(("sglang", "async")),
+            RolloutReplicaRegistry._registry["sglang"].__module__,
+        ],
     }
-    replica_cls = RolloutReplicaRegistry.get("hacpo_vllm")
-    adapter_cls = rollout_base.get_rollout_class("hacpo_vllm")
+    replica_cls = RolloutReplicaRegistry.get("vllm")
+    adapter_cls = rollout_base.get_rollout_class("vllm")
     out["resolved"] = [f"{c.__module__}.{c.__qualname__}" for c in (replica_cls, adapter_cls)]
     out["after_resolve"] = _vllm_modules_loaded()
     return out
@@ -161,8 +168,8 @@ def _probe_stub(model_dir: str) -> dict:
         for k, cls in classes.items()
     }
     out["registry_is_ours"] = [
-        get_rollout_replica_class("hacpo_vllm") is vr.HacpoVLLMReplica,
-        get_rollout_class("hacpo_vllm") is vr.HacpoVLLMServerAdapter,
+        get_rollout_replica_class("vllm") is vr.HacpoVLLMReplica,
+        get_rollout_class("vllm") is vr.HacpoVLLMServerAdapter,
     ]
     out["pickled_by_reference"] = all(pickle.loads(cloudpickle.dumps(cls)) is cls for cls in classes.values())
 
@@ -197,7 +204,7 @@ def _probe_stub(model_dir: str) -> dict:
         def remote(self, **kwargs):
             return FakeServer()
 
-    def launched_names(replica_cls, agent, replica_rank, role=None, name="hacpo_vllm"):
+    def launched_names(replica_cls, agent, replica_rank, role=None, name="vllm"):
         flags = {"is_reward_model": role == "reward", "is_teacher_model": role == "teacher"}
         replica = replica_cls(
             replica_rank=replica_rank, config=_rollout_config(agent, name), model_config=None, gpus_per_node=1, **flags
@@ -223,7 +230,7 @@ def _probe_stub(model_dir: str) -> dict:
     ray.get_actor = lambda name: f"actor:{name}"
     os.environ["RAY_LOCAL_WORLD_SIZE"] = "1"
 
-    def adapter_view(adapter_cls, agent, replica_rank, name="hacpo_vllm"):
+    def adapter_view(adapter_cls, agent, replica_rank, name="vllm"):
         os.environ["RANK"] = str(replica_rank)  # tp=1: one trainer rank per replica
         adapter = adapter_cls(config=_rollout_config(agent, name), model_config=None, device_mesh=None)
         adapter._ensure_server_handle()
@@ -235,7 +242,7 @@ def _probe_stub(model_dir: str) -> dict:
     # --- server: the real __init__, then the receiver's socket from the environment it left ------
     model_config = HFModelConfig(path=model_dir)
 
-    def receiver_view(server_cls, agent, replica_rank, name="hacpo_vllm"):
+    def receiver_view(server_cls, agent, replica_rank, name="vllm"):
         for key in ("VERL_RAY_JOB_ID", "VERL_REPLICA_RANK"):
             os.environ.pop(key, None)
         server_cls(
@@ -315,6 +322,38 @@ def test_awkward_agent_names_give_short_distinct_socket_paths():
         assert "/" not in path[len("/tmp/") :] and " " not in path
 
 
+def test_verls_checks_on_the_name_vllm_still_apply():
+    """verl compares rollout.name with the literal "vllm"; the per-agent config keeps that name."""
+    from verl.workers.config import RolloutConfig
+
+    for agent in AGENTS:
+        custom = {"agent_name": agent} if agent else None
+        # pipeline-parallel guard (verl/workers/config/rollout.py)
+        with pytest.raises(NotImplementedError, match="pipeline_model_parallel_size > 1"):
+            RolloutConfig(name="vllm", pipeline_model_parallel_size=2, custom=custom)
+        # PD disaggregation is accepted for "vllm" only among these names
+        cfg = RolloutConfig(name="vllm", custom=custom, disaggregation={"enabled": True})
+        assert cfg.disaggregation.enabled
+        with pytest.raises(ValueError, match="disaggregation"):
+            RolloutConfig(name="hacpo_vllm", custom=custom, disaggregation={"enabled": True})
+
+
+def test_every_preset_uses_verls_vllm_name_with_a_per_agent_custom_name():
+    from hydra import compose, initialize_config_module
+
+    from recipe_hacpo.config import agent_specs, agent_verl_config
+
+    presets = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "configs").glob("pair_*.yaml"))
+    assert presets
+    for preset in presets:
+        with initialize_config_module("recipe_hacpo.configs", version_base=None):
+            cfg = compose(preset)
+        agents = [agent_verl_config(cfg, s).actor_rollout_ref.rollout for s in agent_specs(cfg)]
+        assert [r.name for r in agents] == ["vllm", "vllm"], preset
+        names = [r.custom.agent_name for r in agents]
+        assert len(set(names)) == 2 and all(names)
+
+
 # ---------------------------------------------------------------------------------------
 # 2. registration is lazy
 # ---------------------------------------------------------------------------------------
@@ -323,9 +362,14 @@ def test_awkward_agent_names_give_short_distinct_socket_paths():
 def test_registration_is_lazy_and_resolves_to_our_classes():
     out = _run_probe("probe-lazy")
     assert out["after_import"] == [], out["after_import"]
-    assert out["replica_registered"]
+    # verl's own name resolves to our classes; the old private name is gone
+    assert out["replica_loader"] == "recipe_hacpo.workers.verl_touchpoints._load_vllm_replica"
     assert out["adapter_fqn"] == "recipe_hacpo.workers.vllm_rollout.HacpoVLLMServerAdapter"
-    assert out["verl_vllm_untouched"] == "verl.workers.rollout.vllm_rollout.ServerAdapter"
+    assert not out["old_name_registered"]
+    assert out["other_backends_untouched"] == [
+        "verl.workers.rollout.sglang_rollout.sglang_rollout.ServerAdapter",
+        "verl.workers.rollout.replica",
+    ]
     assert out["resolved"] == [
         "recipe_hacpo.workers.vllm_rollout.HacpoVLLMReplica",
         "recipe_hacpo.workers.vllm_rollout.HacpoVLLMServerAdapter",

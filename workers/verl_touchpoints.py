@@ -45,7 +45,7 @@ Touchpoints (private or unversioned contracts):
    collides. Sharing one manager is wrong for heterogeneous agents: each `RewardLoopWorker`
    decodes response token ids with `config.actor_rollout_ref.model`'s tokenizer.
    `AgentRewardLoopManager` overrides that method to name the workers per agent.
-8. vLLM naming hooks (`rollout.name=hacpo_vllm`, `workers/vllm_rollout.py`):
+8. vLLM naming hooks (`rollout.name=vllm`, registered over verl's own entries; `workers/vllm_rollout.py`):
    `verl/workers/rollout/vllm_rollout/vllm_async_server.py::vLLMReplica._get_server_name_prefix`
    (read by `launch_servers`) and `vLLMReplica.server_class` (set in `__init__`);
    `vLLMHttpServer.__init__` exporting `VERL_RAY_JOB_ID`, which
@@ -56,8 +56,10 @@ Touchpoints (private or unversioned contracts):
    `ipc:///tmp/rl-colocate-zmq-{job}-replica-{r}-rank-{l}.sock` is duplicated in
    `vllm_rollout.zmq_handle`. verl compares `rollout.name` with the literal "vllm" in
    `verl/workers/config/rollout.py`, `verl/checkpoint_engine/base.py`,
-   `verl/workers/rollout/llm_server.py` and `verl/utils/config.py` (see the limits listed in
-   `vllm_rollout`'s docstring).
+   `verl/workers/rollout/llm_server.py` and `verl/utils/config.py`: keeping the name "vllm"
+   keeps those checks. PD disaggregation (`get_rollout_replica_class(..., disaggregation_enabled=True)`
+   in `verl/workers/rollout/replica.py`) bypasses the registry and gets verl's
+   `vLLMPDReplica`, without per-agent names.
 
 Public registrations done from here as well, to keep all of verl's registries in one file:
 `verl/workers/rollout/replica.py::RolloutReplicaRegistry.register` (public classmethod) and
@@ -92,23 +94,27 @@ def register_hf_rollout() -> None:
     rollout_base._ROLLOUT_REGISTRY[(HF_BACKEND, "async")] = HF_ADAPTER_FQN
 
 
-VLLM_BACKEND = "hacpo_vllm"
+VLLM_BACKEND = "vllm"
 VLLM_ADAPTER_FQN = "recipe_hacpo.workers.vllm_rollout.HacpoVLLMServerAdapter"
 
 
 def _load_vllm_replica():
     # Deferred: resolving the class imports vLLM and verl's vLLM modules, which only exist
-    # where `rollout.name=hacpo_vllm` is actually used (GPU machines).
+    # where `rollout.name=vllm` is actually used (GPU machines).
     from recipe_hacpo.workers.vllm_rollout import HacpoVLLMReplica
 
     return HacpoVLLMReplica
 
 
 def register_hacpo_vllm_rollout() -> None:
-    """Make `actor_rollout_ref.rollout.name=hacpo_vllm` resolvable: verl's vLLM with per-agent names.
+    """Resolve verl's own rollout name `vllm` to verl's vLLM classes with per-agent names.
 
-    Touchpoints 1 and 8. Registration imports nothing from vLLM: the replica is a loader
-    and the adapter a dotted path, both resolved only when a rollout of that name is built.
+    Touchpoints 1 and 8. The name stays "vllm", so every check verl makes on
+    `rollout.name == "vllm"` still applies; with no `rollout.custom.agent_name` the
+    subclasses name everything exactly as verl does. Registration imports nothing from
+    vLLM: the replica is a loader and the adapter a dotted path, both resolved only when a
+    rollout of that name is built. `RolloutReplicaRegistry.register` replaces verl's loader
+    (a plain dict assignment in 0.9.1).
     """
     from verl.workers.rollout import base as rollout_base
     from verl.workers.rollout.replica import RolloutReplicaRegistry

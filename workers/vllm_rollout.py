@@ -1,4 +1,4 @@
-"""`hacpo_vllm` rollout backend: verl's vLLM rollout with every name made per agent.
+"""verl's vLLM rollout (`rollout.name=vllm`) with every process-global name made per agent.
 
 verl 0.9.1 derives two kinds of process-global names in its vLLM path from values that are
 the same for every agent of one Ray job:
@@ -40,12 +40,11 @@ the class attributes below (module `__getattr__`), so the naming functions, and 
 registration in `verl_touchpoints.register_hacpo_vllm_rollout`, work on machines without
 vLLM.
 
-Known limits of `rollout.name=hacpo_vllm` (verl compares the name with the literal "vllm"):
-PD disaggregation is rejected by `RolloutConfig`; `checkpoint_engine.backend=delta_sharded`
-is rejected by `CheckpointEngineWorker`; request `priority` is not forwarded by
-`LLMServerClient`; the vLLM LoRA-rank check in `verl.utils.config.validate_config` and the
-`pipeline_model_parallel_size > 1` guard in `RolloutConfig` are skipped (vLLM itself still
-rejects an unsupported LoRA rank at launch).
+The classes are registered under verl's own name `vllm` (`verl_touchpoints.register_hacpo_vllm_rollout`),
+so every check verl makes on `rollout.name == "vllm"` (pipeline-parallel guard, PD
+disaggregation, `delta_sharded` weight sync, request priority, the LoRA-rank check) applies
+as in verl. Limit: PD disaggregation builds verl's `vLLMPDReplica` directly, without
+per-agent names, so it works for one agent per Ray job only.
 """
 
 from __future__ import annotations
@@ -57,7 +56,7 @@ from typing import Any
 
 from recipe_hacpo.workers.hf_rollout import agent_name_of
 
-BACKEND_NAME = "hacpo_vllm"
+BACKEND_NAME = "vllm"
 VERL_SERVER_PREFIX = "vllm_"
 JOB_ID_ENV = "VERL_RAY_JOB_ID"
 
@@ -164,8 +163,7 @@ def _build_classes() -> dict[str, type]:
             self.zmq_handle = zmq_handle(zmq_job_tag(_current_job_id(), self.config), self.replica_rank, local_rank)
 
         def _get_server_name_prefix(self) -> str:
-            # verl's default is f"{rollout.name}_", which for "hacpo_vllm" would not even
-            # match the replica's "vllm_"
+            # verl's default is f"{rollout.name}_" = "vllm_", shared by every agent
             return server_name_prefix(self.config)
 
     classes = {

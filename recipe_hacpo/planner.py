@@ -1,0 +1,342 @@
+"""GPU memory plan of a HACPO configuration, computed from each model's config.json.
+
+No GPU, no Ray, no download: the numbers come from the model's shape (layers, heads, KV
+heads, head dim, vocabulary, MLP width) and the config's placement, offload and vLLM keys.
+`python -m recipe_hacpo.main ... trainer.plan_only=true` prints the plan; `config.validate`
+uses the same checks to reject a configuration that cannot fit before Ray starts.
+
+Per GPU of an agent's pool (W GPUs, FSDP shards everything W ways; vLLM tensor parallel T):
+
+- FSDP actor, resident between updates: fp32 master weights 4·P/W (verl's actor loads in
+  `model_dtype: fp32`; bf16 is only the compute copy), Adam moments 8·P/W. During an update
+  fp32 gradients add 4·P/W: 16·P/W at the peak. `fsdp_config.param_offload` moves weights
+  and gradients to host memory between phases, `optimizer_offload` the Adam moments.
+  A reference model (only with a KL term) adds 2·P/W in bf16 unless `ref.fsdp_config.param_offload`.
+  Activations are not estimated: the training figure is a lower bound.
+- vLLM: reserves `gpu_memory_utilization`·G at start-up (G = the GPU's memory) and keeps it
+  while awake. Inside that share: its weights 2·P/T (bf16), a fixed allowance for its
+  profiling-run activations and CUDA graphs, and the KV cache in what is left. vLLM refuses
+  to start unless one sequence of `max_model_len` tokens fits in that KV cache:
+  2 (K and V) · layers · max(1, KV heads/T) · head dim · bytes per element · max_model_len.
+- Every process on a GPU (per agent: the FSDP worker and vLLM's engine worker) adds about
+  1 GiB of CUDA context and NCCL buffers outside those figures.
+- Phases: the trainer syncs weights into every replica at the end of a step and leaves
+  them awake until they have generated, so in a pool shared by several agents all their
+  vLLM shares and all their resident actor states are on the GPU together. During one
+  agent's update the replicas sleep (weights and KV freed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+
+GIB = 1024**3
+
+# bytes per parameter of FSDP state (see the module docstring)
+FP32_WEIGHT_BYTES = 4
+FP32_GRAD_BYTES = 4
+ADAM_BYTES = 8  # exp_avg + exp_avg_sq, fp32 each
+BF16_BYTES = 2
+
+# vLLM's memory inside its share besides weights and KV cache: the activation peak of its
+# profiling forward pass (max_num_batched_tokens tokens) and captured CUDA graphs. About
+# 1-2 GiB for 1-8B models; 2 GiB keeps the KV estimate on the safe side.
+VLLM_NON_KV_GIB = 2.0
+
+# Outside any share: every process on a GPU holds a CUDA context, NCCL buffers and allocator
+# slack, roughly 1 GiB each; an agent has two processes on each of its GPUs (the FSDP worker
+# and vLLM's engine worker).
+PROCESS_OVERHEAD_GIB = 1.0
+PROCESSES_PER_AGENT = 2
+
+# rollout.dtype / torch_dtype names -> bytes per element
+DTYPE_BYTES = {
+    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+    "float32": 4, "fp32": 4, "float": 4, "auto": 2,
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a decoder-only model's config.json that memory depends on."""
+
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+    dtype: str = "bfloat16"
+
+    @classmethod
+    def from_config(cls, cfg: dict) -> "ModelShape":
+        cfg = cfg.get("text_config", cfg)  # multimodal wrappers keep the LM under text_config
+        heads = int(cfg["num_attention_heads"])
+        hidden = int(cfg["hidden_size"])
+        return cls(
+            hidden_size=hidden,
+            num_layers=int(cfg["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab_size=int(cfg["vocab_size"]),
+            intermediate_size=int(cfg["intermediate_size"]),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings") or 0),
+            dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+        )
+
+    def num_params(self) -> int:
+        """P: embeddings + L·(attention + SwiGLU MLP + norms) + final norm (+ LM head if untied).
+
+        attention: q and o are hidden × heads·head_dim, k and v hidden × kv_heads·head_dim;
+        MLP: gate, up and down, each hidden × intermediate. Biases are ignored (none in
+        Qwen3 / Llama 3); the per-head q/k norms of Qwen3 are within rounding.
+        """
+        h, d = self.hidden_size, self.head_dim
+        attention = 2 * h * self.num_heads * d + 2 * h * self.num_kv_heads * d
+        mlp = 3 * h * self.intermediate_size
+        norms = 2 * h
+        embed = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return embed + self.num_layers * (attention + mlp + norms) + h + head
+
+
+def kv_bytes_per_token(shape: ModelShape, tp: int = 1, dtype: str = "bfloat16") -> int:
+    """KV cache per token on one GPU: 2 · layers · max(1, KV heads / T) · head dim · bytes."""
+    kv_heads = max(1, shape.num_kv_heads // max(1, tp))
+    return 2 * shape.num_layers * kv_heads * shape.head_dim * DTYPE_BYTES.get(dtype, 2)
+
+
+def read_model_config(model_path: str) -> dict | None:
+    """config.json of a local model dir, or of a hub id already in the local HF cache; else None.
+
+    Never downloads: an id that is not cached locally has no plan.
+    """
+    if os.path.isdir(model_path):
+        path = os.path.join(model_path, "config.json")
+    else:
+        try:
+            from huggingface_hub import try_to_load_from_cache
+
+            path = try_to_load_from_cache(model_path, "config.json")
+        except Exception:
+            return None
+    if not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+@dataclass
+class AgentPlan:
+    """One agent's estimate, all memory figures in bytes per GPU of its pool."""
+
+    name: str
+    pool: str  # "own" or "shared"
+    gpus: int  # W: GPUs of the pool (n_gpus_per_node × nnodes)
+    nodes: int
+    tp: int
+    utilization: float
+    max_model_len: int | None
+    param_offload: bool
+    optimizer_offload: bool
+    shape: ModelShape | None = None
+    params: int = 0
+    fsdp_weights: int = 0
+    fsdp_grads: int = 0
+    fsdp_adam: int = 0
+    ref_weights: int = 0
+    vllm_share: int = 0
+    vllm_weights: int = 0
+    kv_budget: int = 0
+    kv_needed: int = 0
+    problems: list[str] = field(default_factory=list)
+    note: str = ""
+
+    @property
+    def known(self) -> bool:
+        return self.shape is not None
+
+    @property
+    def resident(self) -> int:
+        """Actor state left on the GPU between updates (what offload removes)."""
+        weights = 0 if self.param_offload else self.fsdp_weights
+        adam = 0 if self.optimizer_offload else self.fsdp_adam
+        return weights + adam + self.ref_weights
+
+    @property
+    def train_peak(self) -> int:
+        """Actor state during its own update (offloaded state comes back): 16·P/W (+ ref)."""
+        return self.fsdp_weights + self.fsdp_grads + self.fsdp_adam + self.ref_weights
+
+    @property
+    def fits(self) -> bool:
+        return self.known and not self.problems
+
+
+def plan_agent(cfg, spec, gpu_memory: int, shape: ModelShape | None) -> AgentPlan:
+    """The per-GPU figures of one agent alone (pool interactions come in `plan`)."""
+    from recipe_hacpo.config import _agent_section as agent_section
+
+    actor = agent_section(cfg, spec, "actor")
+    rollout = agent_section(cfg, spec, "rollout")
+    if spec.uses_shared_pool:
+        gpus, nodes = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes), int(cfg.trainer.nnodes)
+    else:
+        gpus, nodes = spec.n_gpus_per_node * spec.nnodes, spec.nnodes
+    max_len = rollout.get("max_model_len")
+    plan = AgentPlan(
+        name=spec.name,
+        pool="shared" if spec.uses_shared_pool else "own",
+        gpus=gpus,
+        nodes=nodes,
+        tp=int(rollout.get("tensor_model_parallel_size") or 1),
+        utilization=float(rollout.gpu_memory_utilization),
+        max_model_len=None if max_len is None else int(max_len),
+        param_offload=bool(actor.fsdp_config.get("param_offload", False)),
+        optimizer_offload=bool(actor.fsdp_config.get("optimizer_offload", False)),
+        shape=shape,
+    )
+    plan.vllm_share = int(plan.utilization * gpu_memory)
+    if shape is None:
+        plan.note = f"{spec.model_path}: no config.json here (not a local dir, not in the HF cache); memory not estimated"
+        return plan
+    if plan.max_model_len is None:
+        # verl's vLLM server falls back to the model's maximum context
+        plan.max_model_len = shape.max_position_embeddings
+    world = max(1, gpus)
+    p = plan.params = shape.num_params()
+    plan.fsdp_weights = FP32_WEIGHT_BYTES * p // world
+    plan.fsdp_grads = FP32_GRAD_BYTES * p // world
+    plan.fsdp_adam = ADAM_BYTES * p // world
+    ref = agent_section(cfg, spec, "ref")
+    uses_ref = bool(actor.get("use_kl_loss", False)) or bool(cfg.algorithm.get("use_kl_in_reward", False))
+    if uses_ref and not bool((ref.get("fsdp_config") or {}).get("param_offload", False)):
+        plan.ref_weights = BF16_BYTES * p // world
+    rollout_dtype = str(rollout.get("dtype") or "bfloat16")
+    plan.vllm_weights = DTYPE_BYTES.get(rollout_dtype, 2) * p // plan.tp
+    plan.kv_budget = plan.vllm_share - plan.vllm_weights - int(VLLM_NON_KV_GIB * GIB)
+    plan.kv_needed = kv_bytes_per_token(shape, plan.tp, rollout_dtype) * plan.max_model_len
+    if plan.kv_needed > plan.kv_budget:
+        plan.problems.append(
+            f"vLLM KV cache for max_model_len={plan.max_model_len} needs {_gib(plan.kv_needed)} but "
+            f"gpu_memory_utilization={plan.utilization} leaves {_gib(max(0, plan.kv_budget))} after "
+            f"{_gib(plan.vllm_weights)} of weights; lower actor_rollout_ref.rollout.max_model_len "
+            "(prompt + response) or raise gpu_memory_utilization"
+        )
+    return plan
+
+
+def plan(cfg, specs, gpu_memory_gib: float | None = None, shapes: dict | None = None) -> list[AgentPlan]:
+    """Every agent's plan, with the checks that involve the agents sharing its GPUs.
+
+    `shapes` maps an agent name to a ModelShape (or None); missing names are read from
+    config.json (`read_model_config`).
+    """
+    gib = float(gpu_memory_gib if gpu_memory_gib is not None else cfg.trainer.get("gpu_memory_gib", 80))
+    gpu_memory = int(gib * GIB)
+    plans = []
+    for s in specs:
+        if shapes is not None and s.name in shapes:
+            shape = shapes[s.name]
+        else:
+            raw = read_model_config(s.model_path)
+            shape = ModelShape.from_config(raw) if raw else None
+        plans.append(plan_agent(cfg, s, gpu_memory, shape))
+
+    pools: dict[str, list[AgentPlan]] = {}
+    for p in plans:
+        pools.setdefault("shared" if p.pool == "shared" else p.name, []).append(p)
+    for members in pools.values():
+        _check_pool(members, gpu_memory)
+    return plans
+
+
+def _check_pool(members: list[AgentPlan], gpu_memory: int) -> None:
+    """Rollout phase: every member's vLLM share + resident actor state at once.
+    Update phase of member j: its training peak + the others' resident state (replicas asleep)."""
+    shared = len(members) > 1
+    known = [m for m in members if m.known]
+    if shared and len(known) < len(members):
+        # without shapes, demand what makes sharing safe whatever the models are
+        total_util = sum(m.utilization for m in members)
+        for m in members:
+            if not (m.param_offload and m.optimizer_offload):
+                m.problems.append(
+                    "a shared pool needs actor_rollout_ref.actor.fsdp_config.param_offload=true and "
+                    "optimizer_offload=true (every agent's replica is awake with the others' actors after a sync)"
+                )
+        if total_util > SHARED_UTILIZATION_MAX:
+            for m in members:
+                m.problems.append(_util_problem(members, total_util))
+        return
+    if not known:
+        return
+    overhead = int(PROCESS_OVERHEAD_GIB * GIB) * PROCESSES_PER_AGENT * len(members)
+    awake = overhead + sum(m.vllm_share + m.resident for m in members)
+    if awake > gpu_memory:
+        where = "with the other agents of its shared pool " if shared else ""
+        for m in members:
+            m.problems.append(
+                f"rollout phase {where}needs {_gib(awake)} per GPU "
+                f"(vLLM {' + '.join(_gib(x.vllm_share) for x in members)}, resident actor "
+                f"{' + '.join(_gib(x.resident) for x in members)}, processes {_gib(overhead)}) of {_gib(gpu_memory)}; "
+                + ("set param_offload=true, optimizer_offload=true and lower gpu_memory_utilization"
+                   if shared else "set fsdp_config.param_offload/optimizer_offload=true or lower gpu_memory_utilization")
+            )
+    for m in members:
+        others = sum(x.resident for x in members if x is not m)
+        need = overhead + m.train_peak + others
+        if need > gpu_memory:
+            m.problems.append(
+                f"update phase needs at least {_gib(need)} per GPU (FSDP weights+grads+Adam {_gib(m.train_peak)}"
+                + (f", other agents' resident {_gib(others)}" if others else "")
+                + f") of {_gib(gpu_memory)}; use more GPUs for this agent"
+            )
+
+
+# Sum of gpu_memory_utilization over the agents of one shared pool when the models' shapes
+# are unknown: what stays for CUDA contexts, NCCL buffers and the one actor being updated.
+SHARED_UTILIZATION_MAX = 0.8
+
+
+def _util_problem(members: list[AgentPlan], total: float) -> str:
+    return (
+        f"the agents sharing a pool reserve gpu_memory_utilization {'+'.join(str(m.utilization) for m in members)} "
+        f"= {total:g} of each GPU, all awake after a weight sync; keep the sum <= {SHARED_UTILIZATION_MAX} "
+        f"(e.g. actor_rollout_ref.rollout.gpu_memory_utilization={SHARED_UTILIZATION_MAX / len(members):.2f})"
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def format_plan(plans: list[AgentPlan], gpu_memory_gib: float) -> str:
+    """The table `trainer.plan_only=true` prints: one block per agent."""
+    lines = [f"HACPO plan: {len(plans)} agent(s), {gpu_memory_gib:g} GiB per GPU "
+             "(activations not included: training figures are lower bounds)"]
+    for p in plans:
+        lines.append(f"- {p.name}: {p.gpus} GPU(s) on {p.nodes} node(s), {p.pool} pool, vLLM TP {p.tp}")
+        if not p.known:
+            lines.append(f"    {p.note}")
+            lines += [f"    DOES NOT FIT: {msg}" for msg in p.problems] or ["    fit not checked"]
+            continue
+        offload = ", ".join(k for k, on in (("params", p.param_offload), ("optimizer", p.optimizer_offload)) if on)
+        lines += [
+            f"    parameters {p.params / 1e9:.2f} B",
+            f"    FSDP per GPU: weights {_gib(p.fsdp_weights)}, grads {_gib(p.fsdp_grads)}, Adam {_gib(p.fsdp_adam)}"
+            + (f", ref {_gib(p.ref_weights)}" if p.ref_weights else "")
+            + f"; offload: {offload or 'none'}; resident between updates {_gib(p.resident)}, update peak {_gib(p.train_peak)}",
+            f"    vLLM per GPU: share {_gib(p.vllm_share)} (gpu_memory_utilization {p.utilization}), weights "
+            f"{_gib(p.vllm_weights)}, KV cache {_gib(max(0, p.kv_budget))} "
+            f"(one {p.max_model_len}-token sequence needs {_gib(p.kv_needed)})",
+        ]
+        lines += ["    fits"] if p.fits else [f"    DOES NOT FIT: {msg}" for msg in p.problems]
+    return "\n".join(lines)

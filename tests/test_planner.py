@@ -1,0 +1,206 @@
+"""GPU memory plan (recipe_hacpo/planner.py) and the memory checks `config.validate` runs
+before Ray, on the real shapes of the presets' models (tests/fixtures/model_shapes/*/config.json,
+numbers from the public model cards)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_module
+
+from recipe_hacpo import planner
+from recipe_hacpo.config import ConfigError, agent_specs, validate
+
+REPO = Path(__file__).resolve().parents[1]
+SHAPES = REPO / "tests" / "fixtures" / "model_shapes"
+PRESETS = sorted(p.stem for p in (REPO / "configs").glob("pair_*.yaml"))
+GIB = 1024**3
+
+
+def _shape(name: str) -> planner.ModelShape:
+    return planner.ModelShape.from_config(planner.read_model_config(str(SHAPES / name)))
+
+
+def _compose(name: str, overrides: list[str] = ()):
+    with initialize_config_module("recipe_hacpo.configs", version_base=None):
+        return compose(name, overrides=list(overrides))
+
+
+def _local_models(preset: str) -> list[str]:
+    """Point both agents of a preset at the fixture config.json of its default hub model."""
+    cfg = _compose(preset)
+    return [f"agents.{i}.model_path={SHAPES / Path(a.model_path).name}" for i, a in enumerate(cfg.agents)]
+
+
+@pytest.fixture(autouse=True)
+def _no_path_env(monkeypatch):
+    for var in ("HACPO_MODEL_A", "HACPO_MODEL_B", "HACPO_DATA_DIR", "HACPO_OUTPUT_DIR"):
+        monkeypatch.delenv(var, raising=False)
+
+
+# parameter counts of the model cards (embeddings included)
+@pytest.mark.parametrize(
+    "name, billions",
+    [
+        ("Qwen3-1.7B-Base", 1.72), ("Qwen3-4B", 4.02), ("Qwen3-4B-Base", 4.02),
+        ("Qwen3-4B-Instruct-2507", 4.02), ("Qwen3-8B-Base", 8.19),
+        ("Llama-3.2-1B-Instruct", 1.24), ("Llama-3.2-3B-Instruct", 3.21),
+    ],
+)
+def test_parameter_count_matches_the_model_card(name, billions):
+    assert _shape(name).num_params() / 1e9 == pytest.approx(billions, abs=0.01)
+
+
+def test_kv_cache_of_qwen3_4b_instruct_at_its_full_context_is_36_gib():
+    shape = _shape("Qwen3-4B-Instruct-2507")
+    # 2 (K, V) · 36 layers · 8 KV heads · 128 · 2 bytes
+    assert planner.kv_bytes_per_token(shape) == 2 * 36 * 8 * 128 * 2
+    assert shape.max_position_embeddings == 262144
+    assert planner.kv_bytes_per_token(shape) * 262144 / GIB == pytest.approx(36.0)
+    # tensor parallel splits the KV heads, never below one per GPU
+    assert planner.kv_bytes_per_token(shape, tp=2) * 2 == planner.kv_bytes_per_token(shape)
+    assert planner.kv_bytes_per_token(shape, tp=16) == planner.kv_bytes_per_token(shape, tp=8)
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_fits_80_gib_with_its_real_model_shapes(preset):
+    cfg = _compose(preset, _local_models(preset))
+    specs, _ = validate(cfg)  # check_paths: the fixture dirs hold config.json
+    plans = planner.plan(cfg, specs)
+    assert [p.name for p in plans] == [s.name for s in specs]
+    for p in plans:
+        assert p.known and p.fits, (p.name, p.problems)
+        assert p.max_model_len == 5120 == cfg.data.max_prompt_length + cfg.data.max_response_length
+        assert 0 < p.kv_needed < p.kv_budget
+        assert p.train_peak == p.fsdp_weights + p.fsdp_grads + p.fsdp_adam
+        assert p.fsdp_adam == 8 * p.params // p.gpus
+        if preset.endswith("_4gpu"):
+            assert (p.pool, p.gpus, p.resident) == ("shared", 4, 0)
+        else:
+            assert p.pool == "own" and p.resident == p.fsdp_weights + p.fsdp_adam
+    text = planner.format_plan(plans, 80)
+    assert text.count("    fits") == len(plans) and "DOES NOT FIT" not in text
+
+
+def test_qwen3_4b_instruct_without_max_model_len_is_rejected_naming_the_agent():
+    preset = "pair_qwen3-4b_qwen3-4b-instruct_4gpu"
+    cfg = _compose(preset, _local_models(preset) + ["actor_rollout_ref.rollout.max_model_len=null"])
+    with pytest.raises(ConfigError, match=r"agents\[1\] \(qwen3_4b_instruct\).*max_model_len=262144 needs 36\.0 GiB") as err:
+        validate(cfg)
+    assert "\n" not in str(err.value)
+    # Qwen3-4B's own maximum (40,960 tokens, 5.6 GiB) does fit: only agent 1 is at fault
+    plans = planner.plan(cfg, agent_specs(cfg))
+    assert plans[0].fits and not plans[1].fits
+
+
+def test_two_replicas_at_half_the_gpu_on_a_shared_pool_are_rejected():
+    preset = "pair_qwen3-4b-base_qwen3-8b-base"
+    shared = ["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"]
+    cfg = _compose(preset, _local_models(preset) + shared)
+    with pytest.raises(ConfigError, match=r"rollout phase with the other agents of its shared pool needs"):
+        validate(cfg)
+    # offload alone is not enough: 2 × 0.5 of the GPU plus the processes' own memory
+    offload = ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
+               "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
+    with pytest.raises(ConfigError, match=r"rollout phase"):
+        validate(_compose(preset, _local_models(preset) + shared + offload))
+    # what docs/REPRODUCE.md and run_scripts PLACEMENT=shared set
+    validate(_compose(preset, _local_models(preset) + shared + offload
+                      + ["actor_rollout_ref.rollout.gpu_memory_utilization=0.35"]))
+
+
+def test_shared_pool_without_local_shapes_demands_offload_and_a_bounded_share():
+    preset = "pair_qwen3-4b-base_qwen3-8b-base"  # hub ids, not in any local cache here
+    shared = ["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"]
+    with pytest.raises(ConfigError, match=r"a shared pool needs .*param_offload=true"):
+        validate(_compose(preset, shared), check_paths=False)
+    offload = ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
+               "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
+    with pytest.raises(ConfigError, match=r"0\.5\+0\.5 = 1 of each GPU"):
+        validate(_compose(preset, shared + offload), check_paths=False)
+    validate(_compose(preset, shared + offload + ["actor_rollout_ref.rollout.gpu_memory_utilization=0.35"]),
+             check_paths=False)
+
+
+def test_update_phase_that_cannot_fit_is_rejected():
+    # Qwen3-8B on one GPU: 16 bytes × 8.2 B parameters = 122 GiB of FSDP state
+    preset = "pair_qwen3-4b-base_qwen3-8b-base"
+    cfg = _compose(preset, _local_models(preset) + ["agents.1.n_gpus_per_node=1",
+                                                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+    specs = agent_specs(cfg)
+    plans = planner.plan(cfg, specs)
+    assert plans[0].fits and not plans[1].fits
+    assert any(msg.startswith("update phase needs at least 124") for msg in plans[1].problems), plans[1].problems
+
+
+def test_max_model_len_shorter_than_prompt_plus_response_is_rejected():
+    preset = "pair_qwen3-1p7b-base_qwen3-4b-base"
+    cfg = _compose(preset, _local_models(preset) + ["actor_rollout_ref.rollout.max_model_len=4096"])
+    with pytest.raises(ConfigError, match=r"max_model_len=4096 is shorter than .* = 5120; set it to 5120"):
+        validate(cfg)
+
+
+def test_max_model_len_beyond_the_model_is_rejected():
+    preset = "pair_qwen3-1p7b-base_qwen3-4b-base"
+    cfg = _compose(preset, _local_models(preset) + ["++agents.0.actor_rollout_ref.rollout.max_model_len=65536"])
+    with pytest.raises(ConfigError, match=r"agents\[0\] \(qwen3_1p7b_base\).*exceeds .*max_position_embeddings=32768"):
+        validate(cfg)
+
+
+def test_smaller_gpu_memory_key_changes_the_verdict():
+    preset = "pair_qwen3-4b_qwen3-4b-instruct"
+    validate(_compose(preset, _local_models(preset)))
+    with pytest.raises(ConfigError, match=r"of 24 GiB"):
+        validate(_compose(preset, _local_models(preset) + ["trainer.gpu_memory_gib=24"]))
+
+
+def test_trailing_slash_of_a_model_path_is_removed_before_ray():
+    preset = "pair_qwen3-1p7b-base_qwen3-4b-base"
+    cfg = _compose(preset, [f"agents.0.model_path={SHAPES / 'Qwen3-1.7B-Base'}/", "agents.1.model_path=Qwen/Qwen3-4B-Base/"])
+    specs = agent_specs(cfg)
+    assert specs[0].model_path == str(SHAPES / "Qwen3-1.7B-Base")
+    assert specs[1].model_path == "Qwen/Qwen3-4B-Base"
+
+
+def test_cpu_rollouts_are_not_memory_checked():
+    # the CPU demo uses the `hf` rollout: a 1 MiB "GPU" changes nothing there
+    cfg = _compose("hacpo_cpu_demo", ["trainer.gpu_memory_gib=0.001"])
+    validate(cfg, check_paths=False)
+
+
+def _plan_only(preset: str, overrides: list[str]) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HACPO_")}
+    return subprocess.run(
+        [sys.executable, "-m", "recipe_hacpo.main", "--config-name", preset, "trainer.plan_only=true", *overrides],
+        cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
+    )
+
+
+def test_plan_only_prints_the_plan_and_starts_nothing():
+    preset = "pair_qwen3-4b-base_llama3p2-3b-instruct_4gpu"
+    proc = _plan_only(preset, _local_models(preset))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = proc.stdout
+    assert "- qwen3_4b_base: 4 GPU(s) on 1 node(s), shared pool" in out
+    assert "- llama3p2_3b_instruct: 4 GPU(s) on 1 node(s), shared pool" in out
+    assert "parameters 4.02 B" in out and "parameters 3.21 B" in out
+    assert "offload: params, optimizer" in out and out.count("    fits") == 2
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr
+
+
+def test_plan_only_exits_non_zero_on_an_impossible_config():
+    preset = "pair_qwen3-4b_qwen3-4b-instruct_4gpu"
+    proc = _plan_only(preset, _local_models(preset) + ["actor_rollout_ref.rollout.max_model_len=null"])
+    assert proc.returncode == 1
+    assert "DOES NOT FIT: vLLM KV cache for max_model_len=262144" in proc.stdout
+    assert "error: agent qwen3_4b_instruct:" in proc.stderr
+
+
+def test_plan_only_without_local_models_says_so():
+    proc = _plan_only("pair_qwen3-4b-base_qwen3-8b-base", [])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Qwen/Qwen3-8B-Base: no config.json here" in proc.stdout and "fit not checked" in proc.stdout
