@@ -7,8 +7,9 @@ Every error is one line: the dotted key, the value, the rule, and the fix.
 from __future__ import annotations
 
 import copy
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
@@ -36,6 +37,7 @@ class HacpoSettings:
     capability_floor: float = 1e-3
     omega_clip: tuple[float, float] = (0.1, 10.0)
     norm_by_std: bool = True
+    baseline_cap: float | None = 1.0
 
     @property
     def shares(self) -> bool:
@@ -46,11 +48,7 @@ class HacpoSettings:
         """The settings the Naive baseline implies (spec §8); HACPO and isolated unchanged."""
         if self.mode != "naive":
             return self
-        return HacpoSettings(
-            mode="naive", capability_baseline=False, discrepancy_coefficient=False, alpha=0.0,
-            cross_clip="gspo", delta=self.delta, delta_step=self.delta_step, window=self.window,
-            capability_floor=self.capability_floor, omega_clip=self.omega_clip, norm_by_std=self.norm_by_std,
-        )
+        return replace(self, capability_baseline=False, discrepancy_coefficient=False, alpha=0.0, cross_clip="gspo")
 
     def loss_kwargs(self) -> dict:
         """What each actor worker's loss needs (workers.hacpo_loss.HacpoLossConfig)."""
@@ -85,6 +83,13 @@ def hacpo_settings(cfg: DictConfig) -> HacpoSettings:
         )
     if "omega_clip" in raw:
         raw["omega_clip"] = tuple(float(v) for v in raw["omega_clip"])
+    if raw.get("baseline_cap") is not None:
+        try:
+            raw["baseline_cap"] = float(raw["baseline_cap"])
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"algorithm.hacpo.baseline_cap={raw['baseline_cap']!r}: must be a number (the reward ceiling) or null"
+            ) from None
     return HacpoSettings(**raw)
 
 
@@ -135,6 +140,10 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
         raise ConfigError(f"algorithm.hacpo.window={hacpo.window}: must be >= 1 (K steps)")
     if not hacpo.capability_floor > 0:
         raise ConfigError(f"algorithm.hacpo.capability_floor={hacpo.capability_floor}: must be > 0")
+    if hacpo.baseline_cap is not None and not math.isfinite(hacpo.baseline_cap):
+        raise ConfigError(
+            f"algorithm.hacpo.baseline_cap={hacpo.baseline_cap}: must be a finite number (the reward ceiling) or null (no guard)"
+        )
     lo, hi = hacpo.omega_clip
     if not 0 < lo <= 1 <= hi:
         raise ConfigError(f"algorithm.hacpo.omega_clip={[lo, hi]}: must satisfy 0 < ω_min <= 1 <= ω_max")

@@ -28,6 +28,7 @@ __all__ = [
     "CapabilityTracker",
     "capability_ratio",
     "capability_ratios",
+    "capability_baseline",
     "compute_hacpo_advantage",
     "cross_lower_bound",
     "exponential_is_weight",
@@ -179,6 +180,65 @@ def capability_ratios(
 # ---------------------------------------------------------------------------------------
 # §2 capability-aware advantage
 # ---------------------------------------------------------------------------------------
+def _group_ids(index: np.ndarray | Sequence) -> torch.Tensor:
+    """Dense group number per row, long [B], from verl's `uid` values."""
+    _, group = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
+    return torch.as_tensor(group.reshape(-1), dtype=torch.long)
+
+
+def _group_sum(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    return torch.zeros(num_groups, dtype=values.dtype).index_add_(0, group, values)
+
+
+def capability_baseline(
+    rewards: torch.Tensor,
+    index: np.ndarray | Sequence,
+    source: torch.Tensor | np.ndarray | Sequence[int],
+    learner: int,
+    capability: torch.Tensor | Sequence[float],
+    *,
+    use_capability_baseline: bool = True,
+    omega_clip: tuple[float, float] = (0.1, 10.0),
+    baseline_cap: float | None = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group baseline μ̂^(k)_g of spec §2, per row, and where the baseline guard caught it.
+
+        μ̂^(k)_g = (1/|g|) Σ_{i∈g} ω^(k,src(i)) R_i                 (own rows weigh 1)
+        guard:   μ̂^(k)_g > baseline_cap  →  μ̂^(k)_g = mean(R_i : i ∈ g, src(i) = k)
+
+    The guard (both of the authors' implementations have it) keeps a strong learner's
+    correct answers from getting a negative advantage because a much weaker peer also solved
+    the prompt: with rewards in [0, 1] no achievable success rate exceeds 1. It applies to the
+    capability-weighted baseline only; the plain mean (`use_capability_baseline=False`) is
+    left as is. A group without any of the learner's rows keeps its weighted mean.
+
+    Args:
+        rewards: R_i, [B].  index: group id per row, [B].  source: src(i), int [B].
+        learner: k.  capability: P̂ per agent, [N].
+        baseline_cap: the ceiling; None turns the guard off (the paper's formula as written).
+
+    Returns:
+        (μ̂ of each row's group, float64 [B]; bool [B], True on rows of guarded groups).
+    """
+    r = torch.as_tensor(rewards).detach().to(torch.float64)
+    group = _group_ids(index)
+    num_groups = int(group.max()) + 1 if len(group) else 0
+    count = _group_sum(torch.ones_like(r), group, num_groups)
+    guarded = torch.zeros(num_groups, dtype=torch.bool)
+    if not use_capability_baseline:
+        mean = _group_sum(r, group, num_groups) / count
+        return mean[group], guarded[group]
+    weight = capability_ratios(capability, learner, source, omega_clip)
+    mean = _group_sum(weight * r, group, num_groups) / count
+    if baseline_cap is not None:
+        own = (torch.as_tensor(source, dtype=torch.long) == learner).to(torch.float64)
+        own_count = _group_sum(own, group, num_groups)
+        own_mean = _group_sum(own * r, group, num_groups) / own_count.clamp(min=1)
+        guarded = (mean > baseline_cap) & (own_count > 0)
+        mean = torch.where(guarded, own_mean, mean)
+    return mean[group], guarded[group]
+
+
 def compute_hacpo_advantage(
     rewards: torch.Tensor,
     index: np.ndarray | Sequence,
@@ -190,10 +250,12 @@ def compute_hacpo_advantage(
     norm_by_std: bool = True,
     epsilon: float = 1e-6,
     omega_clip: tuple[float, float] = (0.1, 10.0),
+    baseline_cap: float | None = 1.0,
 ) -> torch.Tensor:
     """Capability-aware group advantage of learner k (spec §2).
 
-        μ̂^(k)_g = (1/|g|) Σ_{i∈g} ω^(k,src(i)) R_i        (own rows weigh 1)
+        μ̂^(k)_g = (1/|g|) Σ_{i∈g} ω^(k,src(i)) R_i        (own rows weigh 1; see
+                                                           `capability_baseline` for the guard)
         σ_g     = unbiased std of {R_i : i ∈ g}            (all agents' rewards)
         A^(k)_i = (R_i − μ̂^(k)_g) / (σ_g + ε)              for every i in g, own or cross
 
@@ -209,6 +271,8 @@ def compute_hacpo_advantage(
         source: agent that generated each row, int [B].
         learner: k.
         capability: P̂ per agent, [N].
+        baseline_cap: the baseline guard's ceiling (1.0 for rewards in [0, 1]); a group whose
+            μ̂ exceeds it uses the learner's own-sample mean instead. None: no guard.
 
     Returns:
         A^(k), [B], dtype of `rewards`.
@@ -226,32 +290,29 @@ def compute_hacpo_advantage(
         return rewards.clone()
 
     r = rewards.detach().to(torch.float64)
-    _, group = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
-    group = torch.as_tensor(group.reshape(-1), dtype=torch.long)
+    group = _group_ids(index)
     num_groups = int(group.max()) + 1
 
-    if use_capability_baseline:
-        weight = capability_ratios(capability, learner, source, omega_clip)
-    else:
-        weight = torch.ones(batch, dtype=torch.float64)
-
-    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, torch.ones_like(r))
-    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, weight * r) / count
-    plain_mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, r) / count
+    mean, _ = capability_baseline(
+        r, index, source, learner, capability,
+        use_capability_baseline=use_capability_baseline, omega_clip=omega_clip, baseline_cap=baseline_cap,
+    )
+    count = _group_sum(torch.ones_like(r), group, num_groups)
+    plain_mean = _group_sum(r, group, num_groups) / count
     sq_dev = (r - plain_mean[group]) ** 2
-    var = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, sq_dev) / (count - 1).clamp(min=1)
+    var = _group_sum(sq_dev, group, num_groups) / (count - 1).clamp(min=1)
     std = var.sqrt()
     gmax = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce_(0, group, r, "amax")
     gmin = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce_(0, group, r, "amin")
 
-    singleton = count == 1
+    singleton = (count == 1)[group]
     mean = torch.where(singleton, torch.zeros_like(mean), mean)
-    std = torch.where(singleton, torch.ones_like(std), std)
+    row_std = torch.where(singleton, torch.ones_like(r), std[group])
 
-    centred = r - mean[group]
-    adv = centred / (std[group] + epsilon) if norm_by_std else centred
-    uniform = (gmax == gmin) & ~singleton
-    adv = torch.where(uniform[group], torch.zeros_like(adv), adv)
+    centred = r - mean
+    adv = centred / (row_std + epsilon) if norm_by_std else centred
+    uniform = (gmax == gmin)[group] & ~singleton
+    adv = torch.where(uniform, torch.zeros_like(adv), adv)
     return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 

@@ -34,7 +34,12 @@ from omegaconf import DictConfig, OmegaConf
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.agent_runtime import AgentRuntime
 from recipe_hacpo.config import AgentSpec, HacpoSettings, agent_verl_config
-from recipe_hacpo.core_algos import CapabilityTracker, capability_ratio, compute_hacpo_advantage
+from recipe_hacpo.core_algos import (
+    CapabilityTracker,
+    capability_baseline,
+    capability_ratio,
+    compute_hacpo_advantage,
+)
 from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
 from recipe_hacpo.reliability import (
     LATEST_FILE,
@@ -265,21 +270,22 @@ class HacpoTrainer:
         caps = self.tracker.capabilities()
         for learner in self.specs:
             batch = batches[learner.name]
-            adv = compute_hacpo_advantage(
-                batch.batch[K.REWARD],
-                batch.non_tensor_batch["uid"],
-                batch.batch[K.SOURCE],
-                learner.index,
-                caps,
+            group = (batch.batch[K.REWARD], batch.non_tensor_batch["uid"], batch.batch[K.SOURCE], learner.index, caps)
+            options = dict(
                 use_capability_baseline=self.effective.capability_baseline,
-                norm_by_std=self.hacpo.norm_by_std,
                 omega_clip=self.hacpo.omega_clip,
+                baseline_cap=self.hacpo.baseline_cap,
             )
+            adv = compute_hacpo_advantage(*group, norm_by_std=self.hacpo.norm_by_std, **options)
+            _, guarded = capability_baseline(*group, **options)
             mask = batch.batch["response_mask"]
             batch.batch["advantages"] = adv.float().unsqueeze(-1) * mask
             batch.batch["returns"] = batch.batch["advantages"]
             metrics[f"agent/{learner.name}/advantage/mean"] = float(adv.mean())
             metrics[f"agent/{learner.name}/advantage/abs_mean"] = float(adv.abs().mean())
+            # groups (prompts) of this step whose baseline the §2 guard replaced by the own mean
+            guarded_uids = batch.non_tensor_batch["uid"][guarded.numpy()]
+            metrics[f"agent/{learner.name}/advantage/guard_groups"] = float(len(set(guarded_uids.tolist())))
 
     def ref_log_probs(self, batches: dict[str, DataProto]) -> None:
         ref = self._each(lambda a: a.ref_log_prob(batches[a.spec.name]) if a.use_ref else None, phase="ref")
