@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from recipe_hacpo.core_algos import CROSS_CLIP_MODES
+from recipe_hacpo.core_algos import CROSS_CLIP_MODES, CROSS_RATIO_LENGTHS
 
 MODES = ("hacpo", "naive", "isolated")
 
@@ -38,6 +38,7 @@ class HacpoSettings:
     omega_clip: tuple[float, float] = (0.1, 10.0)
     norm_by_std: bool = True
     baseline_cap: float | None = 1.0
+    cross_ratio_length: str = "each"
 
     @property
     def shares(self) -> bool:
@@ -53,7 +54,13 @@ class HacpoSettings:
     def loss_kwargs(self) -> dict:
         """What each actor worker's loss needs (workers.hacpo_loss.HacpoLossConfig)."""
         eff = self.effective()
-        return {"alpha": eff.alpha, "delta": eff.delta, "delta_step": eff.delta_step, "cross_clip": eff.cross_clip}
+        return {
+            "alpha": eff.alpha,
+            "delta": eff.delta,
+            "delta_step": eff.delta_step,
+            "cross_clip": eff.cross_clip,
+            "cross_ratio_length": eff.cross_ratio_length,
+        }
 
 
 @dataclass(frozen=True)
@@ -129,6 +136,11 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
         raise ConfigError(
             f"algorithm.hacpo.cross_clip={hacpo.cross_clip!r}: must be stepwise, fixed or none "
             "(the Naive baseline is algorithm.hacpo.mode=naive)"
+        )
+    if hacpo.cross_ratio_length not in CROSS_RATIO_LENGTHS:
+        raise ConfigError(
+            f"algorithm.hacpo.cross_ratio_length={hacpo.cross_ratio_length!r}: must be each (both authors' code) "
+            "or source (the paper's Eq. 11, one exponent 1/|y^(j)|)"
         )
     if hacpo.alpha < 0:
         raise ConfigError(f"algorithm.hacpo.alpha={hacpo.alpha}: must be >= 0 (0 turns §4 off)")

@@ -25,6 +25,7 @@ import torch
 
 __all__ = [
     "CROSS_CLIP_MODES",
+    "CROSS_RATIO_LENGTHS",
     "CapabilityTracker",
     "capability_ratio",
     "capability_ratios",
@@ -36,6 +37,10 @@ __all__ = [
     "seq_mean_token_mean",
     "compute_hacpo_policy_loss",
 ]
+
+CROSS_RATIO_LENGTHS = ("each", "source")
+"""Length normaliser of the cross ratio (§4): each (each tokenisation's own length, the authors'
+code) or source (one exponent 1/|y^(j)|, the paper's Eq. 11)."""
 
 CROSS_CLIP_MODES = ("stepwise", "fixed", "none", "gspo")
 """How cross samples are clipped (§5, §8): stepwise (paper), fixed (δ_step = 0), none (no
@@ -386,13 +391,17 @@ def hacpo_policy_loss_matrix(
     cross_clip: str = "stepwise",
     clip_ratio_low: float = 3e-4,
     clip_ratio_high: float = 4e-4,
+    cross_ratio_length: str = "each",
+    source_response_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token HACPO loss ℓ_{i,t}, [B, T], and its metrics (spec §6).
 
     Own row (GSPO):  ℓ_i = max(−A_i s_i, −A_i clip(s_i, 1−ε_low, 1+ε_high)),
                      s_i = exp(mean_t(log π_θ − log π_old)) on the learner's own tokens.
-    Cross row:       ℓ_i = −c_i · sg(c_i)^α · ω^(src,k) · A_i,
-                     s_i = exp(mean_t log π_θ − source_log_prob_mean),  c_i = clip(s_i, lower_m, 1).
+    Cross row:       ℓ_i = −c_i · sg(c_i)^α · ω^(src,k) · A_i,  c_i = clip(s_i, lower_m, 1),
+                     each:   s_i = exp(mean_t log π_θ − source_log_prob_mean)
+                     source: s_i = exp((Σ_t log π_θ − source_log_prob_mean·|y^(j)|) / |y^(j)|)
+                     (|y^(j)| = source_response_length, the source's token count).
     Naive (cross_clip="gspo"): cross rows take the own-row GSPO term with s_i against the
     source's log-probs, without ω or α.
 
@@ -402,6 +411,10 @@ def hacpo_policy_loss_matrix(
     """
     if cross_clip not in CROSS_CLIP_MODES:
         raise ValueError(f"cross_clip must be one of {CROSS_CLIP_MODES}, got {cross_clip!r}")
+    if cross_ratio_length not in CROSS_RATIO_LENGTHS:
+        raise ValueError(f"cross_ratio_length must be one of {CROSS_RATIO_LENGTHS}, got {cross_ratio_length!r}")
+    if cross_ratio_length == "source" and source_response_length is None:
+        raise ValueError("cross_ratio_length='source' needs source_response_length (|y^(j)| per row)")
     if log_prob.shape != old_log_prob.shape or log_prob.shape != response_mask.shape:
         raise ValueError(
             f"log_prob {tuple(log_prob.shape)}, old_log_prob {tuple(old_log_prob.shape)} and "
@@ -413,13 +426,24 @@ def hacpo_policy_loss_matrix(
     source_lp = torch.as_tensor(source_log_prob_mean, device=log_prob.device).to(log_prob.dtype).reshape(-1)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1).expand_as(log_prob)
 
-    learner_lp_mean = _masked_row_mean(log_prob, mask)  # [B], carries the gradient
     own_log_ratio = _masked_row_mean(log_prob - old_log_prob, mask)  # [B]
-    cross_log_ratio = learner_lp_mean - source_lp  # [B]
+    token_grad = log_prob - log_prob.detach()  # value 0, gradient of log π_t
+    if cross_ratio_length == "each":
+        cross_log_ratio = _masked_row_mean(log_prob, mask) - source_lp  # [B]
+    else:
+        learner_len = mask.sum(dim=-1).clamp(min=1)
+        source_len = torch.as_tensor(source_response_length, device=log_prob.device).to(log_prob.dtype).reshape(-1)
+        source_len = source_len.clamp(min=1)
+        # (Σ log π_θ − Σ log π_old^(j)) / |y^(j)|, with Σ log π_old^(j) = mean · |y^(j)|
+        cross_log_ratio = (log_prob * mask).sum(dim=-1) / source_len - source_lp
+        # the row's tokens are averaged over |y^(k)| below, so each token's gradient is
+        # rescaled by |y^(k)| / |y^(j)| to give d log s_i / d log π_t = 1 / |y^(j)|
+        scale = torch.where(is_cross, learner_len / source_len, torch.ones_like(learner_len))
+        token_grad = token_grad * scale.unsqueeze(-1)
     seq_log_ratio = torch.where(is_cross, cross_log_ratio, own_log_ratio).detach()
 
     # s_{i,t}: value s_i, gradient of log π_t (the GSPO-token trick)
-    log_s_tok = (log_prob - log_prob.detach() + seq_log_ratio.unsqueeze(-1)).clamp(max=_LOG_RATIO_MAX)
+    log_s_tok = (token_grad + seq_log_ratio.unsqueeze(-1)).clamp(max=_LOG_RATIO_MAX)
     s_tok = torch.exp(log_s_tok)
 
     gspo_1 = -adv * s_tok
@@ -496,6 +520,8 @@ def compute_hacpo_policy_loss(
     cross_clip: str = "stepwise",
     clip_ratio_low: float = 3e-4,
     clip_ratio_high: float = 4e-4,
+    cross_ratio_length: str = "each",
+    source_response_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The HACPO loss of learner k on one mini-batch (spec §6), mean over its sequences.
 
@@ -513,6 +539,11 @@ def compute_hacpo_policy_loss(
         delta, delta_step: δ, δ_step of §5.
         cross_clip: "stepwise" | "fixed" | "none" | "gspo" (Naive baseline).
         clip_ratio_low, clip_ratio_high: GSPO's ε_low, ε_high for own rows.
+        cross_ratio_length: "each" (default; every tokenisation normalised by its own length,
+            as both of the authors' implementations do) | "source" (the paper's Eq. 11: one
+            exponent 1/|y^(j)|, so equal text probabilities give s = 1 across tokenizers).
+        source_response_length: |y^(j)|, the source's response token count, [B] (needed
+            for "source"; read on cross rows only).
 
     Returns:
         (scalar loss, metrics). With no cross rows this equals verl's `gspo` policy loss with
@@ -533,6 +564,8 @@ def compute_hacpo_policy_loss(
         cross_clip=cross_clip,
         clip_ratio_low=clip_ratio_low,
         clip_ratio_high=clip_ratio_high,
+        cross_ratio_length=cross_ratio_length,
+        source_response_length=source_response_length,
     )
     loss = seq_mean_token_mean(loss_mat, response_mask)
     metrics["actor/pg_loss"] = float(loss.detach())

@@ -237,6 +237,7 @@ class HacpoTrainer:
                 raise FloatingPointError(f"agent {name!r}: non-finite old log-probs; stopping before any update")
             batch.batch["old_log_probs"] = lp
             batch.batch[K.SOURCE_LOG_PROB_MEAN] = mean_log_prob_per_response(lp, batch.batch["response_mask"])
+            batch.batch[K.SOURCE_RESPONSE_LENGTH] = batch.batch["response_mask"].sum(-1).float()
 
     def update_capabilities(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
         self.tracker.update([float(rollouts[s.name].batch[K.REWARD].mean()) for s in self.specs])
@@ -459,7 +460,7 @@ def _tag(batch: DataProto, *, source: int, cross: bool, omega: float) -> DataPro
 
 _LEARNER_TENSORS = (
     "prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
-    "old_log_probs", K.REWARD, K.SOURCE, K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN,
+    "old_log_probs", K.REWARD, K.SOURCE, K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN, K.SOURCE_RESPONSE_LENGTH,
 )
 
 

@@ -328,6 +328,60 @@ def test_cross_row_value_and_gradient_by_hand():
     assert m["hacpo/lower_bound"] == pytest.approx(0.8)
 
 
+def test_cross_ratio_length_each_and_source_by_hand():
+    # one cross row, the same text tokenised twice: the learner's 3 tokens sum to −1.8
+    # (mean −0.6); the source's 2 tokens had mean old log-prob −0.85 (sum −1.7)
+    log_prob = torch.tensor([[-0.5, -0.6, -0.7]], dtype=F64, requires_grad=True)
+    old = torch.zeros(1, 3, dtype=F64)  # ignored on cross rows
+    adv = torch.full((1, 3), 1.0, dtype=F64)
+    mask = torch.ones(1, 3, dtype=F64)
+    common = dict(
+        is_cross=torch.tensor([True]), omega=torch.tensor([1.0]), source_log_prob_mean=torch.tensor([-0.85]),
+        source_response_length=torch.tensor([2.0]), update_index=0, alpha=0.0, cross_clip="none",
+    )
+    # each: log s = −0.6 − (−0.85) = 0.25; ℓ = −s; dℓ/dlog π_t = −s / |y_k| = −s / 3
+    each, m_each = compute_hacpo_policy_loss(log_prob, old, adv, mask, cross_ratio_length="each", **common)
+    (g_each,) = torch.autograd.grad(each, log_prob)
+    assert m_each["hacpo/cross_ratio_mean"] == pytest.approx(math.exp(0.25))
+    assert float(each) == pytest.approx(-math.exp(0.25))
+    assert g_each[0].tolist() == pytest.approx([-math.exp(0.25) / 3] * 3)
+    # source: log s = (−1.8 − (−1.7)) / 2 = −0.05; dℓ/dlog π_t = −s / |y_j| = −s / 2
+    src, m_src = compute_hacpo_policy_loss(log_prob, old, adv, mask, cross_ratio_length="source", **common)
+    (g_src,) = torch.autograd.grad(src, log_prob)
+    assert m_src["hacpo/cross_ratio_mean"] == pytest.approx(math.exp(-0.05))
+    assert float(src) == pytest.approx(-math.exp(-0.05))
+    assert g_src[0].tolist() == pytest.approx([-math.exp(-0.05) / 2] * 3)
+    # spec §4's example: the same text probability L = −150 over 300 vs 270 tokens
+    lp = torch.full((1, 300), -0.5, dtype=F64)
+    kw = dict(
+        is_cross=torch.tensor([True]), omega=torch.tensor([1.0]), source_log_prob_mean=torch.tensor([-150 / 270], dtype=F64),
+        source_response_length=torch.tensor([270.0]), update_index=0,
+    )
+    ones = torch.ones(1, 300, dtype=F64)
+    _, m = compute_hacpo_policy_loss(lp, lp, ones, ones, cross_ratio_length="each", **kw)
+    assert m["hacpo/cross_ratio_mean"] == pytest.approx(math.exp(-0.5 + 150 / 270))  # ≈ 1.057, clipped high
+    assert m["hacpo/cross_clipfrac_high"] == 1.0
+    _, m = compute_hacpo_policy_loss(lp, lp, ones, ones, cross_ratio_length="source", **kw)
+    assert m["hacpo/cross_ratio_mean"] == pytest.approx(1.0, abs=1e-12)  # equal probability, s = 1
+
+
+def test_cross_ratio_length_source_leaves_own_rows_and_needs_lengths():
+    log_prob, old, adv, mask = _batch(seed=3)
+    b = log_prob.shape[0]
+    kw = dict(is_cross=torch.zeros(b, dtype=torch.bool), omega=torch.ones(b), source_log_prob_mean=torch.zeros(b), update_index=0)
+    each, _ = compute_hacpo_policy_loss(log_prob, old, adv, mask, **kw)
+    src, _ = compute_hacpo_policy_loss(
+        log_prob, old, adv, mask, cross_ratio_length="source", source_response_length=torch.full((b,), 7.0), **kw
+    )
+    (g_each,) = torch.autograd.grad(each, log_prob)
+    (g_src,) = torch.autograd.grad(src, log_prob)
+    assert torch.equal(each, src) and torch.equal(g_each, g_src)
+    with pytest.raises(ValueError, match="needs source_response_length"):
+        compute_hacpo_policy_loss(log_prob, old, adv, mask, cross_ratio_length="source", **kw)
+    with pytest.raises(ValueError, match="cross_ratio_length must be one of"):
+        compute_hacpo_policy_loss(log_prob, old, adv, mask, cross_ratio_length="learner", **kw)
+
+
 def test_cross_clipping_by_hand_low_high_and_stepwise():
     log_prob = torch.tensor([[-1.0], [-1.0], [-1.0]], dtype=F64, requires_grad=True)
     mask = torch.ones(3, 1, dtype=F64)

@@ -27,11 +27,22 @@ def test_baseline_cap_default_null_and_value():
     assert HacpoSettings(mode="naive", baseline_cap=None).effective().baseline_cap is None
 
 
+def test_cross_ratio_length_reaches_the_loss():
+    assert HacpoSettings().cross_ratio_length == "each"
+    cfg = _compose(PRESET, GPUS_8 + ["algorithm.hacpo.cross_ratio_length=source"])
+    _, hacpo = validate(cfg, check_paths=False)
+    assert hacpo.loss_kwargs()["cross_ratio_length"] == "source"
+    from recipe_hacpo.workers.hacpo_loss import HacpoLossConfig
+
+    assert HacpoLossConfig(**hacpo.loss_kwargs()).cross_ratio_length == "source"
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
         (["algorithm.hacpo.baseline_cap=abc"], r"algorithm\.hacpo\.baseline_cap='abc': must be a number"),
         (["algorithm.hacpo.baseline_cap=inf"], r"algorithm\.hacpo\.baseline_cap=inf: must be a finite number"),
+        (["algorithm.hacpo.cross_ratio_length=learner"], r"algorithm\.hacpo\.cross_ratio_length='learner': must be each"),
     ],
 )
 def test_bad_hacpo_keys_fail_with_one_line(extra, message):
