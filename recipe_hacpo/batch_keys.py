@@ -19,6 +19,10 @@ OMEGA = "hacpo_omega"
 SOURCE_LOG_PROB_MEAN = "hacpo_source_log_prob_mean"
 """float32 [B] — mean over the source's own tokens of log π^(src)_old(y_i); the source term of §4."""
 
+SOURCE_RESPONSE_LENGTH = "hacpo_source_response_length"
+"""float32 [B] — |y^(src)|, the response's token count under its source's own tokenisation;
+with SOURCE_LOG_PROB_MEAN it gives the source's summed log-prob (§4, cross_ratio_length=source)."""
+
 REWARD = "hacpo_reward"
 """float32 [B] — scalar verifier reward R_i of the response (shared by every learner)."""
 
@@ -33,5 +37,5 @@ FINISHED = "hacpo_finished"
 UPDATE_INDEX = "hacpo_update_index"
 """int — m of spec §5: optimizer updates the learner already made in this training step."""
 
-HACPO_ROW_KEYS = (SOURCE, IS_CROSS, OMEGA, SOURCE_LOG_PROB_MEAN)
+HACPO_ROW_KEYS = (SOURCE, IS_CROSS, OMEGA, SOURCE_LOG_PROB_MEAN, SOURCE_RESPONSE_LENGTH)
 """Per-row tensors the HACPO loss reads from the batch on the worker."""

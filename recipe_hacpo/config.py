@@ -7,12 +7,13 @@ Every error is one line: the dotted key, the value, the rule, and the fix.
 from __future__ import annotations
 
 import copy
+import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from recipe_hacpo.core_algos import CROSS_CLIP_MODES
+from recipe_hacpo.core_algos import CROSS_CLIP_MODES, CROSS_RATIO_LENGTHS
 
 MODES = ("hacpo", "naive", "isolated")
 
@@ -36,6 +37,8 @@ class HacpoSettings:
     capability_floor: float = 1e-3
     omega_clip: tuple[float, float] = (0.1, 10.0)
     norm_by_std: bool = True
+    baseline_cap: float | None = 1.0
+    cross_ratio_length: str = "each"
 
     @property
     def shares(self) -> bool:
@@ -46,16 +49,18 @@ class HacpoSettings:
         """The settings the Naive baseline implies (spec §8); HACPO and isolated unchanged."""
         if self.mode != "naive":
             return self
-        return HacpoSettings(
-            mode="naive", capability_baseline=False, discrepancy_coefficient=False, alpha=0.0,
-            cross_clip="gspo", delta=self.delta, delta_step=self.delta_step, window=self.window,
-            capability_floor=self.capability_floor, omega_clip=self.omega_clip, norm_by_std=self.norm_by_std,
-        )
+        return replace(self, capability_baseline=False, discrepancy_coefficient=False, alpha=0.0, cross_clip="gspo")
 
     def loss_kwargs(self) -> dict:
         """What each actor worker's loss needs (workers.hacpo_loss.HacpoLossConfig)."""
         eff = self.effective()
-        return {"alpha": eff.alpha, "delta": eff.delta, "delta_step": eff.delta_step, "cross_clip": eff.cross_clip}
+        return {
+            "alpha": eff.alpha,
+            "delta": eff.delta,
+            "delta_step": eff.delta_step,
+            "cross_clip": eff.cross_clip,
+            "cross_ratio_length": eff.cross_ratio_length,
+        }
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,13 @@ def hacpo_settings(cfg: DictConfig) -> HacpoSettings:
         )
     if "omega_clip" in raw:
         raw["omega_clip"] = tuple(float(v) for v in raw["omega_clip"])
+    if raw.get("baseline_cap") is not None:
+        try:
+            raw["baseline_cap"] = float(raw["baseline_cap"])
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"algorithm.hacpo.baseline_cap={raw['baseline_cap']!r}: must be a number (the reward ceiling) or null"
+            ) from None
     return HacpoSettings(**raw)
 
 
@@ -125,6 +137,11 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
             f"algorithm.hacpo.cross_clip={hacpo.cross_clip!r}: must be stepwise, fixed or none "
             "(the Naive baseline is algorithm.hacpo.mode=naive)"
         )
+    if hacpo.cross_ratio_length not in CROSS_RATIO_LENGTHS:
+        raise ConfigError(
+            f"algorithm.hacpo.cross_ratio_length={hacpo.cross_ratio_length!r}: must be each (both authors' code) "
+            "or source (the paper's Eq. 11, one exponent 1/|y^(j)|)"
+        )
     if hacpo.alpha < 0:
         raise ConfigError(f"algorithm.hacpo.alpha={hacpo.alpha}: must be >= 0 (0 turns §4 off)")
     if not 0 <= hacpo.delta < 1:
@@ -135,6 +152,10 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
         raise ConfigError(f"algorithm.hacpo.window={hacpo.window}: must be >= 1 (K steps)")
     if not hacpo.capability_floor > 0:
         raise ConfigError(f"algorithm.hacpo.capability_floor={hacpo.capability_floor}: must be > 0")
+    if hacpo.baseline_cap is not None and not math.isfinite(hacpo.baseline_cap):
+        raise ConfigError(
+            f"algorithm.hacpo.baseline_cap={hacpo.baseline_cap}: must be a finite number (the reward ceiling) or null (no guard)"
+        )
     lo, hi = hacpo.omega_clip
     if not 0 < lo <= 1 <= hi:
         raise ConfigError(f"algorithm.hacpo.omega_clip={[lo, hi]}: must satisfy 0 < ω_min <= 1 <= ω_max")

@@ -25,9 +25,11 @@ import torch
 
 __all__ = [
     "CROSS_CLIP_MODES",
+    "CROSS_RATIO_LENGTHS",
     "CapabilityTracker",
     "capability_ratio",
     "capability_ratios",
+    "capability_baseline",
     "compute_hacpo_advantage",
     "cross_lower_bound",
     "exponential_is_weight",
@@ -35,6 +37,10 @@ __all__ = [
     "seq_mean_token_mean",
     "compute_hacpo_policy_loss",
 ]
+
+CROSS_RATIO_LENGTHS = ("each", "source")
+"""Length normaliser of the cross ratio (§4): each (each tokenisation's own length, the authors'
+code) or source (one exponent 1/|y^(j)|, the paper's Eq. 11)."""
 
 CROSS_CLIP_MODES = ("stepwise", "fixed", "none", "gspo")
 """How cross samples are clipped (§5, §8): stepwise (paper), fixed (δ_step = 0), none (no
@@ -179,6 +185,65 @@ def capability_ratios(
 # ---------------------------------------------------------------------------------------
 # §2 capability-aware advantage
 # ---------------------------------------------------------------------------------------
+def _group_ids(index: np.ndarray | Sequence) -> torch.Tensor:
+    """Dense group number per row, long [B], from verl's `uid` values."""
+    _, group = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
+    return torch.as_tensor(group.reshape(-1), dtype=torch.long)
+
+
+def _group_sum(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> torch.Tensor:
+    return torch.zeros(num_groups, dtype=values.dtype).index_add_(0, group, values)
+
+
+def capability_baseline(
+    rewards: torch.Tensor,
+    index: np.ndarray | Sequence,
+    source: torch.Tensor | np.ndarray | Sequence[int],
+    learner: int,
+    capability: torch.Tensor | Sequence[float],
+    *,
+    use_capability_baseline: bool = True,
+    omega_clip: tuple[float, float] = (0.1, 10.0),
+    baseline_cap: float | None = 1.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The group baseline μ̂^(k)_g of spec §2, per row, and where the baseline guard caught it.
+
+        μ̂^(k)_g = (1/|g|) Σ_{i∈g} ω^(k,src(i)) R_i                 (own rows weigh 1)
+        guard:   μ̂^(k)_g > baseline_cap  →  μ̂^(k)_g = mean(R_i : i ∈ g, src(i) = k)
+
+    The guard (both of the authors' implementations have it) keeps a strong learner's
+    correct answers from getting a negative advantage because a much weaker peer also solved
+    the prompt: with rewards in [0, 1] no achievable success rate exceeds 1. It applies to the
+    capability-weighted baseline only; the plain mean (`use_capability_baseline=False`) is
+    left as is. A group without any of the learner's rows keeps its weighted mean.
+
+    Args:
+        rewards: R_i, [B].  index: group id per row, [B].  source: src(i), int [B].
+        learner: k.  capability: P̂ per agent, [N].
+        baseline_cap: the ceiling; None turns the guard off (the paper's formula as written).
+
+    Returns:
+        (μ̂ of each row's group, float64 [B]; bool [B], True on rows of guarded groups).
+    """
+    r = torch.as_tensor(rewards).detach().to(torch.float64)
+    group = _group_ids(index)
+    num_groups = int(group.max()) + 1 if len(group) else 0
+    count = _group_sum(torch.ones_like(r), group, num_groups)
+    guarded = torch.zeros(num_groups, dtype=torch.bool)
+    if not use_capability_baseline:
+        mean = _group_sum(r, group, num_groups) / count
+        return mean[group], guarded[group]
+    weight = capability_ratios(capability, learner, source, omega_clip)
+    mean = _group_sum(weight * r, group, num_groups) / count
+    if baseline_cap is not None:
+        own = (torch.as_tensor(source, dtype=torch.long) == learner).to(torch.float64)
+        own_count = _group_sum(own, group, num_groups)
+        own_mean = _group_sum(own * r, group, num_groups) / own_count.clamp(min=1)
+        guarded = (mean > baseline_cap) & (own_count > 0)
+        mean = torch.where(guarded, own_mean, mean)
+    return mean[group], guarded[group]
+
+
 def compute_hacpo_advantage(
     rewards: torch.Tensor,
     index: np.ndarray | Sequence,
@@ -190,10 +255,12 @@ def compute_hacpo_advantage(
     norm_by_std: bool = True,
     epsilon: float = 1e-6,
     omega_clip: tuple[float, float] = (0.1, 10.0),
+    baseline_cap: float | None = 1.0,
 ) -> torch.Tensor:
     """Capability-aware group advantage of learner k (spec §2).
 
-        μ̂^(k)_g = (1/|g|) Σ_{i∈g} ω^(k,src(i)) R_i        (own rows weigh 1)
+        μ̂^(k)_g = (1/|g|) Σ_{i∈g} ω^(k,src(i)) R_i        (own rows weigh 1; see
+                                                           `capability_baseline` for the guard)
         σ_g     = unbiased std of {R_i : i ∈ g}            (all agents' rewards)
         A^(k)_i = (R_i − μ̂^(k)_g) / (σ_g + ε)              for every i in g, own or cross
 
@@ -209,6 +276,8 @@ def compute_hacpo_advantage(
         source: agent that generated each row, int [B].
         learner: k.
         capability: P̂ per agent, [N].
+        baseline_cap: the baseline guard's ceiling (1.0 for rewards in [0, 1]); a group whose
+            μ̂ exceeds it uses the learner's own-sample mean instead. None: no guard.
 
     Returns:
         A^(k), [B], dtype of `rewards`.
@@ -226,32 +295,29 @@ def compute_hacpo_advantage(
         return rewards.clone()
 
     r = rewards.detach().to(torch.float64)
-    _, group = np.unique(np.asarray(index, dtype=object).astype(str), return_inverse=True)
-    group = torch.as_tensor(group.reshape(-1), dtype=torch.long)
+    group = _group_ids(index)
     num_groups = int(group.max()) + 1
 
-    if use_capability_baseline:
-        weight = capability_ratios(capability, learner, source, omega_clip)
-    else:
-        weight = torch.ones(batch, dtype=torch.float64)
-
-    count = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, torch.ones_like(r))
-    mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, weight * r) / count
-    plain_mean = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, r) / count
+    mean, _ = capability_baseline(
+        r, index, source, learner, capability,
+        use_capability_baseline=use_capability_baseline, omega_clip=omega_clip, baseline_cap=baseline_cap,
+    )
+    count = _group_sum(torch.ones_like(r), group, num_groups)
+    plain_mean = _group_sum(r, group, num_groups) / count
     sq_dev = (r - plain_mean[group]) ** 2
-    var = torch.zeros(num_groups, dtype=torch.float64).index_add_(0, group, sq_dev) / (count - 1).clamp(min=1)
+    var = _group_sum(sq_dev, group, num_groups) / (count - 1).clamp(min=1)
     std = var.sqrt()
     gmax = torch.full((num_groups,), -torch.inf, dtype=torch.float64).scatter_reduce_(0, group, r, "amax")
     gmin = torch.full((num_groups,), torch.inf, dtype=torch.float64).scatter_reduce_(0, group, r, "amin")
 
-    singleton = count == 1
+    singleton = (count == 1)[group]
     mean = torch.where(singleton, torch.zeros_like(mean), mean)
-    std = torch.where(singleton, torch.ones_like(std), std)
+    row_std = torch.where(singleton, torch.ones_like(r), std[group])
 
-    centred = r - mean[group]
-    adv = centred / (std[group] + epsilon) if norm_by_std else centred
-    uniform = (gmax == gmin) & ~singleton
-    adv = torch.where(uniform[group], torch.zeros_like(adv), adv)
+    centred = r - mean
+    adv = centred / (row_std + epsilon) if norm_by_std else centred
+    uniform = (gmax == gmin)[group] & ~singleton
+    adv = torch.where(uniform, torch.zeros_like(adv), adv)
     return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
@@ -325,13 +391,17 @@ def hacpo_policy_loss_matrix(
     cross_clip: str = "stepwise",
     clip_ratio_low: float = 3e-4,
     clip_ratio_high: float = 4e-4,
+    cross_ratio_length: str = "each",
+    source_response_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token HACPO loss ℓ_{i,t}, [B, T], and its metrics (spec §6).
 
     Own row (GSPO):  ℓ_i = max(−A_i s_i, −A_i clip(s_i, 1−ε_low, 1+ε_high)),
                      s_i = exp(mean_t(log π_θ − log π_old)) on the learner's own tokens.
-    Cross row:       ℓ_i = −c_i · sg(c_i)^α · ω^(src,k) · A_i,
-                     s_i = exp(mean_t log π_θ − source_log_prob_mean),  c_i = clip(s_i, lower_m, 1).
+    Cross row:       ℓ_i = −c_i · sg(c_i)^α · ω^(src,k) · A_i,  c_i = clip(s_i, lower_m, 1),
+                     each:   s_i = exp(mean_t log π_θ − source_log_prob_mean)
+                     source: s_i = exp((Σ_t log π_θ − source_log_prob_mean·|y^(j)|) / |y^(j)|)
+                     (|y^(j)| = source_response_length, the source's token count).
     Naive (cross_clip="gspo"): cross rows take the own-row GSPO term with s_i against the
     source's log-probs, without ω or α.
 
@@ -341,6 +411,10 @@ def hacpo_policy_loss_matrix(
     """
     if cross_clip not in CROSS_CLIP_MODES:
         raise ValueError(f"cross_clip must be one of {CROSS_CLIP_MODES}, got {cross_clip!r}")
+    if cross_ratio_length not in CROSS_RATIO_LENGTHS:
+        raise ValueError(f"cross_ratio_length must be one of {CROSS_RATIO_LENGTHS}, got {cross_ratio_length!r}")
+    if cross_ratio_length == "source" and source_response_length is None:
+        raise ValueError("cross_ratio_length='source' needs source_response_length (|y^(j)| per row)")
     if log_prob.shape != old_log_prob.shape or log_prob.shape != response_mask.shape:
         raise ValueError(
             f"log_prob {tuple(log_prob.shape)}, old_log_prob {tuple(old_log_prob.shape)} and "
@@ -352,13 +426,24 @@ def hacpo_policy_loss_matrix(
     source_lp = torch.as_tensor(source_log_prob_mean, device=log_prob.device).to(log_prob.dtype).reshape(-1)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1).expand_as(log_prob)
 
-    learner_lp_mean = _masked_row_mean(log_prob, mask)  # [B], carries the gradient
     own_log_ratio = _masked_row_mean(log_prob - old_log_prob, mask)  # [B]
-    cross_log_ratio = learner_lp_mean - source_lp  # [B]
+    token_grad = log_prob - log_prob.detach()  # value 0, gradient of log π_t
+    if cross_ratio_length == "each":
+        cross_log_ratio = _masked_row_mean(log_prob, mask) - source_lp  # [B]
+    else:
+        learner_len = mask.sum(dim=-1).clamp(min=1)
+        source_len = torch.as_tensor(source_response_length, device=log_prob.device).to(log_prob.dtype).reshape(-1)
+        source_len = source_len.clamp(min=1)
+        # (Σ log π_θ − Σ log π_old^(j)) / |y^(j)|, with Σ log π_old^(j) = mean · |y^(j)|
+        cross_log_ratio = (log_prob * mask).sum(dim=-1) / source_len - source_lp
+        # the row's tokens are averaged over |y^(k)| below, so each token's gradient is
+        # rescaled by |y^(k)| / |y^(j)| to give d log s_i / d log π_t = 1 / |y^(j)|
+        scale = torch.where(is_cross, learner_len / source_len, torch.ones_like(learner_len))
+        token_grad = token_grad * scale.unsqueeze(-1)
     seq_log_ratio = torch.where(is_cross, cross_log_ratio, own_log_ratio).detach()
 
     # s_{i,t}: value s_i, gradient of log π_t (the GSPO-token trick)
-    log_s_tok = (log_prob - log_prob.detach() + seq_log_ratio.unsqueeze(-1)).clamp(max=_LOG_RATIO_MAX)
+    log_s_tok = (token_grad + seq_log_ratio.unsqueeze(-1)).clamp(max=_LOG_RATIO_MAX)
     s_tok = torch.exp(log_s_tok)
 
     gspo_1 = -adv * s_tok
@@ -435,6 +520,8 @@ def compute_hacpo_policy_loss(
     cross_clip: str = "stepwise",
     clip_ratio_low: float = 3e-4,
     clip_ratio_high: float = 4e-4,
+    cross_ratio_length: str = "each",
+    source_response_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The HACPO loss of learner k on one mini-batch (spec §6), mean over its sequences.
 
@@ -452,6 +539,11 @@ def compute_hacpo_policy_loss(
         delta, delta_step: δ, δ_step of §5.
         cross_clip: "stepwise" | "fixed" | "none" | "gspo" (Naive baseline).
         clip_ratio_low, clip_ratio_high: GSPO's ε_low, ε_high for own rows.
+        cross_ratio_length: "each" (default; every tokenisation normalised by its own length,
+            as both of the authors' implementations do) | "source" (the paper's Eq. 11: one
+            exponent 1/|y^(j)|, so equal text probabilities give s = 1 across tokenizers).
+        source_response_length: |y^(j)|, the source's response token count, [B] (needed
+            for "source"; read on cross rows only).
 
     Returns:
         (scalar loss, metrics). With no cross rows this equals verl's `gspo` policy loss with
@@ -472,6 +564,8 @@ def compute_hacpo_policy_loss(
         cross_clip=cross_clip,
         clip_ratio_low=clip_ratio_low,
         clip_ratio_high=clip_ratio_high,
+        cross_ratio_length=cross_ratio_length,
+        source_response_length=source_response_length,
     )
     loss = seq_mean_token_mean(loss_mat, response_mask)
     metrics["actor/pg_loss"] = float(loss.detach())

@@ -34,7 +34,12 @@ from omegaconf import DictConfig, OmegaConf
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.agent_runtime import AgentRuntime
 from recipe_hacpo.config import AgentSpec, HacpoSettings, agent_verl_config
-from recipe_hacpo.core_algos import CapabilityTracker, capability_ratio, compute_hacpo_advantage
+from recipe_hacpo.core_algos import (
+    CapabilityTracker,
+    capability_baseline,
+    capability_ratio,
+    compute_hacpo_advantage,
+)
 from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
 from recipe_hacpo.reliability import (
     LATEST_FILE,
@@ -232,6 +237,7 @@ class HacpoTrainer:
                 raise FloatingPointError(f"agent {name!r}: non-finite old log-probs; stopping before any update")
             batch.batch["old_log_probs"] = lp
             batch.batch[K.SOURCE_LOG_PROB_MEAN] = mean_log_prob_per_response(lp, batch.batch["response_mask"])
+            batch.batch[K.SOURCE_RESPONSE_LENGTH] = batch.batch["response_mask"].sum(-1).float()
 
     def update_capabilities(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
         self.tracker.update([float(rollouts[s.name].batch[K.REWARD].mean()) for s in self.specs])
@@ -265,21 +271,22 @@ class HacpoTrainer:
         caps = self.tracker.capabilities()
         for learner in self.specs:
             batch = batches[learner.name]
-            adv = compute_hacpo_advantage(
-                batch.batch[K.REWARD],
-                batch.non_tensor_batch["uid"],
-                batch.batch[K.SOURCE],
-                learner.index,
-                caps,
+            group = (batch.batch[K.REWARD], batch.non_tensor_batch["uid"], batch.batch[K.SOURCE], learner.index, caps)
+            options = dict(
                 use_capability_baseline=self.effective.capability_baseline,
-                norm_by_std=self.hacpo.norm_by_std,
                 omega_clip=self.hacpo.omega_clip,
+                baseline_cap=self.hacpo.baseline_cap,
             )
+            adv = compute_hacpo_advantage(*group, norm_by_std=self.hacpo.norm_by_std, **options)
+            _, guarded = capability_baseline(*group, **options)
             mask = batch.batch["response_mask"]
             batch.batch["advantages"] = adv.float().unsqueeze(-1) * mask
             batch.batch["returns"] = batch.batch["advantages"]
             metrics[f"agent/{learner.name}/advantage/mean"] = float(adv.mean())
             metrics[f"agent/{learner.name}/advantage/abs_mean"] = float(adv.abs().mean())
+            # groups (prompts) of this step whose baseline the §2 guard replaced by the own mean
+            guarded_uids = batch.non_tensor_batch["uid"][guarded.numpy()]
+            metrics[f"agent/{learner.name}/advantage/guard_groups"] = float(len(set(guarded_uids.tolist())))
 
     def ref_log_probs(self, batches: dict[str, DataProto]) -> None:
         ref = self._each(lambda a: a.ref_log_prob(batches[a.spec.name]) if a.use_ref else None, phase="ref")
@@ -453,7 +460,7 @@ def _tag(batch: DataProto, *, source: int, cross: bool, omega: float) -> DataPro
 
 _LEARNER_TENSORS = (
     "prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
-    "old_log_probs", K.REWARD, K.SOURCE, K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN,
+    "old_log_probs", K.REWARD, K.SOURCE, K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN, K.SOURCE_RESPONSE_LENGTH,
 )
 
 

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recipe_hacpo.core_algos import (
+    capability_baseline,
     CapabilityTracker,
     capability_ratio,
     capability_ratios,
@@ -73,11 +74,14 @@ def test_advantage_by_hand_two_agents():
     index = np.array(["q", "q", "q", "q"], dtype=object)
     source = torch.tensor([0, 0, 1, 1])
     cap = torch.tensor([0.8, 0.2], dtype=F64)
-    # learner 0: ω^(0,1) = 4 → μ̂ = (1 + 0 + 4 + 4) / 4 = 2.25
+    # learner 0: ω^(0,1) = 4 → μ̂ = (1 + 0 + 4 + 4) / 4 = 2.25 (the paper's formula, no guard)
     std = float(torch.tensor([1.0, 0.0, 1.0, 1.0]).std())  # unbiased, 0.5
-    a0 = compute_hacpo_advantage(rewards, index, source, 0, cap)
+    a0 = compute_hacpo_advantage(rewards, index, source, 0, cap, baseline_cap=None)
     expected0 = [(r - 2.25) / (std + 1e-6) for r in (1.0, 0.0, 1.0, 1.0)]
     assert a0.tolist() == pytest.approx(expected0, rel=1e-9)
+    # with the guard (default): 2.25 > 1 → learner 0's own mean, (1 + 0) / 2 = 0.5
+    a0_guarded = compute_hacpo_advantage(rewards, index, source, 0, cap)
+    assert a0_guarded.tolist() == pytest.approx([(r - 0.5) / (std + 1e-6) for r in (1.0, 0.0, 1.0, 1.0)], rel=1e-9)
     # learner 1: ω^(1,0) = 0.25 → μ̂ = (0.25 + 0 + 1 + 1) / 4 = 0.5625
     a1 = compute_hacpo_advantage(rewards, index, source, 1, cap)
     expected1 = [(r - 0.5625) / (std + 1e-6) for r in (1.0, 0.0, 1.0, 1.0)]
@@ -86,7 +90,7 @@ def test_advantage_by_hand_two_agents():
     a_plain = compute_hacpo_advantage(rewards, index, source, 0, cap, use_capability_baseline=False)
     assert a_plain.tolist() == pytest.approx([(r - 0.75) / (std + 1e-6) for r in (1.0, 0.0, 1.0, 1.0)])
     # Dr.GRPO: no division
-    a_nostd = compute_hacpo_advantage(rewards, index, source, 0, cap, norm_by_std=False)
+    a_nostd = compute_hacpo_advantage(rewards, index, source, 0, cap, norm_by_std=False, baseline_cap=None)
     assert a_nostd.tolist() == pytest.approx([r - 2.25 for r in (1.0, 0.0, 1.0, 1.0)])
 
 
@@ -95,10 +99,55 @@ def test_advantage_omega_clip_applies():
     index = ["g"] * 3
     source = [0, 0, 1]
     cap = torch.tensor([1.0, 1e-3])  # ratio 1000 → clamped to 10
-    a = compute_hacpo_advantage(rewards, index, source, 0, cap, omega_clip=(0.1, 10.0))
+    a = compute_hacpo_advantage(rewards, index, source, 0, cap, omega_clip=(0.1, 10.0), baseline_cap=None)
     mu = (1.0 + 0.0 + 10.0) / 3
     std = float(rewards.std())
     assert a.tolist() == pytest.approx([(r - mu) / (std + 1e-6) for r in rewards.tolist()])
+
+
+def test_baseline_guard_hand_case():
+    # spec §2: learner P̂ 0.6, peer P̂ 0.2 → ω^(k,peer) = 3; 7/8 own and 4/8 peer answers correct
+    rewards = torch.tensor([1.0] * 7 + [0.0] + [1.0] * 4 + [0.0] * 4, dtype=F64)
+    index = ["q"] * 16
+    source = torch.tensor([0] * 8 + [1] * 8)
+    cap = torch.tensor([0.6, 0.2], dtype=F64)
+    std = float(rewards.std())  # 11 of 16 correct, unbiased: 0.4787
+    assert std == pytest.approx(0.4787, abs=1e-4)
+    # unguarded: μ̂ = (7 + 3·4) / 16 = 1.1875, every correct own answer gets A = −0.39
+    mu, guarded = capability_baseline(rewards, index, source, 0, cap, baseline_cap=None)
+    assert mu.tolist() == pytest.approx([19 / 16] * 16) and not guarded.any()
+    paper = compute_hacpo_advantage(rewards, index, source, 0, cap, baseline_cap=None)
+    assert float(paper[0]) == pytest.approx((1 - 19 / 16) / std, rel=1e-5)
+    assert round(float(paper[0]), 2) == -0.39
+    # guarded (default cap 1.0): μ̂ falls back to the learner's own mean 7/8, A(correct) = +0.26
+    mu, guarded = capability_baseline(rewards, index, source, 0, cap)
+    assert mu.tolist() == pytest.approx([7 / 8] * 16) and guarded.all()
+    a = compute_hacpo_advantage(rewards, index, source, 0, cap)
+    assert a.tolist() == pytest.approx([(r - 7 / 8) / (std + 1e-6) for r in rewards.tolist()], rel=1e-9)
+    assert round(float(a[0]), 2) == 0.26
+    # the weak peer as learner: ω^(1,0) = 1/3 → μ̂ = (7/3 + 4) / 16 ≈ 0.396, under the cap, untouched
+    mu1, guarded1 = capability_baseline(rewards, index, source, 1, cap)
+    assert mu1.tolist() == pytest.approx([(7 / 3 + 4) / 16] * 16) and not guarded1.any()
+    # a cap above μ̂ leaves it alone; the plain-mean ablation is never guarded
+    assert compute_hacpo_advantage(rewards, index, source, 0, cap, baseline_cap=1.2).tolist() == paper.tolist()
+    _, plain_guarded = capability_baseline(rewards, index, source, 0, cap, use_capability_baseline=False)
+    assert not plain_guarded.any()
+
+
+def test_baseline_guard_acts_per_group():
+    # group "a" trips the guard for learner 0, group "b" does not
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 0.0, 0.0], dtype=F64)
+    index = ["a", "a", "a", "a", "b", "b", "b", "b"]
+    source = torch.tensor([0, 1, 0, 1, 0, 1, 0, 1])
+    cap = torch.tensor([0.5, 0.1], dtype=F64)  # ω^(0,1) = 5
+    mu, guarded = capability_baseline(rewards, index, source, 0, cap)
+    # a: (1 + 5 + 1 + 0) / 4 = 1.75 > 1 → own mean (1 + 1) / 2 = 1; b: (0 + 5 + 0 + 0) / 4 = 1.25 > 1 → own 0
+    assert guarded.tolist() == [True] * 8
+    assert mu.tolist() == pytest.approx([1.0] * 4 + [0.0] * 4)
+    cap = torch.tensor([0.5, 0.25], dtype=F64)  # ω = 2: a: (1 + 2 + 1) / 4 = 1.0 (not above), b: 0.5
+    mu, guarded = capability_baseline(rewards, index, source, 0, cap)
+    assert guarded.tolist() == [False] * 8
+    assert mu.tolist() == pytest.approx([1.0] * 4 + [0.5] * 4)
 
 
 def _verl_grpo(rewards: torch.Tensor, index: np.ndarray, norm: bool) -> torch.Tensor:
@@ -277,6 +326,60 @@ def test_cross_row_value_and_gradient_by_hand():
     assert m["hacpo/cross_ratio_mean"] == pytest.approx(s)
     assert m["hacpo/cross_frac"] == 0.5
     assert m["hacpo/lower_bound"] == pytest.approx(0.8)
+
+
+def test_cross_ratio_length_each_and_source_by_hand():
+    # one cross row, the same text tokenised twice: the learner's 3 tokens sum to −1.8
+    # (mean −0.6); the source's 2 tokens had mean old log-prob −0.85 (sum −1.7)
+    log_prob = torch.tensor([[-0.5, -0.6, -0.7]], dtype=F64, requires_grad=True)
+    old = torch.zeros(1, 3, dtype=F64)  # ignored on cross rows
+    adv = torch.full((1, 3), 1.0, dtype=F64)
+    mask = torch.ones(1, 3, dtype=F64)
+    common = dict(
+        is_cross=torch.tensor([True]), omega=torch.tensor([1.0]), source_log_prob_mean=torch.tensor([-0.85]),
+        source_response_length=torch.tensor([2.0]), update_index=0, alpha=0.0, cross_clip="none",
+    )
+    # each: log s = −0.6 − (−0.85) = 0.25; ℓ = −s; dℓ/dlog π_t = −s / |y_k| = −s / 3
+    each, m_each = compute_hacpo_policy_loss(log_prob, old, adv, mask, cross_ratio_length="each", **common)
+    (g_each,) = torch.autograd.grad(each, log_prob)
+    assert m_each["hacpo/cross_ratio_mean"] == pytest.approx(math.exp(0.25))
+    assert float(each) == pytest.approx(-math.exp(0.25))
+    assert g_each[0].tolist() == pytest.approx([-math.exp(0.25) / 3] * 3)
+    # source: log s = (−1.8 − (−1.7)) / 2 = −0.05; dℓ/dlog π_t = −s / |y_j| = −s / 2
+    src, m_src = compute_hacpo_policy_loss(log_prob, old, adv, mask, cross_ratio_length="source", **common)
+    (g_src,) = torch.autograd.grad(src, log_prob)
+    assert m_src["hacpo/cross_ratio_mean"] == pytest.approx(math.exp(-0.05))
+    assert float(src) == pytest.approx(-math.exp(-0.05))
+    assert g_src[0].tolist() == pytest.approx([-math.exp(-0.05) / 2] * 3)
+    # spec §4's example: the same text probability L = −150 over 300 vs 270 tokens
+    lp = torch.full((1, 300), -0.5, dtype=F64)
+    kw = dict(
+        is_cross=torch.tensor([True]), omega=torch.tensor([1.0]), source_log_prob_mean=torch.tensor([-150 / 270], dtype=F64),
+        source_response_length=torch.tensor([270.0]), update_index=0,
+    )
+    ones = torch.ones(1, 300, dtype=F64)
+    _, m = compute_hacpo_policy_loss(lp, lp, ones, ones, cross_ratio_length="each", **kw)
+    assert m["hacpo/cross_ratio_mean"] == pytest.approx(math.exp(-0.5 + 150 / 270))  # ≈ 1.057, clipped high
+    assert m["hacpo/cross_clipfrac_high"] == 1.0
+    _, m = compute_hacpo_policy_loss(lp, lp, ones, ones, cross_ratio_length="source", **kw)
+    assert m["hacpo/cross_ratio_mean"] == pytest.approx(1.0, abs=1e-12)  # equal probability, s = 1
+
+
+def test_cross_ratio_length_source_leaves_own_rows_and_needs_lengths():
+    log_prob, old, adv, mask = _batch(seed=3)
+    b = log_prob.shape[0]
+    kw = dict(is_cross=torch.zeros(b, dtype=torch.bool), omega=torch.ones(b), source_log_prob_mean=torch.zeros(b), update_index=0)
+    each, _ = compute_hacpo_policy_loss(log_prob, old, adv, mask, **kw)
+    src, _ = compute_hacpo_policy_loss(
+        log_prob, old, adv, mask, cross_ratio_length="source", source_response_length=torch.full((b,), 7.0), **kw
+    )
+    (g_each,) = torch.autograd.grad(each, log_prob)
+    (g_src,) = torch.autograd.grad(src, log_prob)
+    assert torch.equal(each, src) and torch.equal(g_each, g_src)
+    with pytest.raises(ValueError, match="needs source_response_length"):
+        compute_hacpo_policy_loss(log_prob, old, adv, mask, cross_ratio_length="source", **kw)
+    with pytest.raises(ValueError, match="cross_ratio_length must be one of"):
+        compute_hacpo_policy_loss(log_prob, old, adv, mask, cross_ratio_length="learner", **kw)
 
 
 def test_cross_clipping_by_hand_low_high_and_stepwise():

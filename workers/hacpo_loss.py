@@ -6,7 +6,8 @@ the loss is installed as the worker's whole loss function instead. It reads from
 micro-batch TensorDict:
 
     tensors      old_log_probs, advantages, response_mask, [ref_log_prob],
-                 hacpo_is_cross, hacpo_omega, hacpo_source_log_prob_mean      (batch_keys)
+                 hacpo_is_cross, hacpo_omega, hacpo_source_log_prob_mean,
+                 hacpo_source_response_length                                (batch_keys)
     non-tensors  hacpo_update_index (set per mini-batch by `HacpoTrainingWorker`),
                  dp_size, batch_num_tokens, global_batch_size (set by verl)
 """
@@ -19,7 +20,7 @@ import torch
 from tensordict import TensorDict
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.core_algos import CROSS_CLIP_MODES, hacpo_policy_loss_matrix
+from recipe_hacpo.core_algos import CROSS_CLIP_MODES, CROSS_RATIO_LENGTHS, hacpo_policy_loss_matrix
 
 
 @dataclass(frozen=True)
@@ -30,10 +31,15 @@ class HacpoLossConfig:
     delta: float = 0.2  # δ of §5; the first cross lower bound is 1 − δ
     delta_step: float = 0.025  # δ_step of §5; 0 is the "fixed" ablation
     cross_clip: str = "stepwise"  # stepwise | fixed | none | gspo (Naive baseline)
+    cross_ratio_length: str = "each"  # §4 length normaliser of the cross ratio: each | source
 
     def __post_init__(self) -> None:
         if self.cross_clip not in CROSS_CLIP_MODES:
             raise ValueError(f"algorithm.hacpo cross_clip must be one of {CROSS_CLIP_MODES}, got {self.cross_clip!r}")
+        if self.cross_ratio_length not in CROSS_RATIO_LENGTHS:
+            raise ValueError(
+                f"algorithm.hacpo.cross_ratio_length must be one of {CROSS_RATIO_LENGTHS}, got {self.cross_ratio_length!r}"
+            )
         if self.alpha < 0:
             raise ValueError(f"algorithm.hacpo.alpha must be >= 0, got {self.alpha}")
 
@@ -69,6 +75,8 @@ def hacpo_actor_loss(actor_config, hacpo: HacpoLossConfig, model_output, data: T
     update_index = int(tu.get_non_tensor_data(data=data, key=K.UPDATE_INDEX, default=0))
 
     fields = ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN]
+    if hacpo.cross_ratio_length == "source":
+        fields.append(K.SOURCE_RESPONSE_LENGTH)
     if actor_config.use_kl_loss:
         fields.append("ref_log_prob")
     padded = data.select(*fields).to_padded_tensor()
@@ -89,6 +97,8 @@ def hacpo_actor_loss(actor_config, hacpo: HacpoLossConfig, model_output, data: T
         cross_clip=hacpo.cross_clip,
         clip_ratio_low=_clip(actor_config, "low"),
         clip_ratio_high=_clip(actor_config, "high"),
+        cross_ratio_length=hacpo.cross_ratio_length,
+        source_response_length=padded.get(K.SOURCE_RESPONSE_LENGTH, None),
     )
     # HACPO is defined with seq-mean-token-mean (spec §6) whatever actor.loss_agg_mode says.
     pg_loss = agg_loss(loss_mat, response_mask, "seq-mean-token-mean", **batch_info)
