@@ -19,6 +19,7 @@ from omegaconf import DictConfig
 
 from recipe_hacpo.config import AgentSpec, HacpoSettings
 from recipe_hacpo.exchange import eos_token_ids
+from recipe_hacpo.placement import make_pool, request_for
 from verl import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.utils import hf_tokenizer
@@ -45,11 +46,8 @@ class AgentRuntime:
         self.eos_token_ids = eos_token_ids(local_path, self.tokenizer)
         self.use_ref = bool(arr.actor.use_kl_loss)
         role = "actor_rollout_ref" if self.use_ref else "actor_rollout"
-        self.pool = shared_pool or RayResourcePool(
-            process_on_nodes=[self.spec.n_gpus_per_node] * self.spec.nnodes,
-            use_gpu=True,
-            max_colocate_count=1 if self.device_name == "cpu" else 3,
-            name_prefix=f"hacpo_{self.spec.name}",
+        self.pool = shared_pool or make_pool(
+            request_for(self.config, [self.spec], self.spec.name, self.device_name), self.config, self.device_name
         )
         worker_cls = RayClassWithInitArgs(
             cls=ray.remote(HacpoActorRolloutRefWorker),

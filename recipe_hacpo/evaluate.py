@@ -41,6 +41,9 @@ drawn at `--temperature` (1.0, the training temperature) and `--top-p` (1.0).
 
 Backends: `vllm` (GPU; vLLM is imported only when this backend runs) and `hf` (Hugging Face
 `generate`, CPU or GPU); `auto` takes vLLM when it is installed and a GPU is visible.
+With vLLM every checkpoint runs in its own process (its engine and GPU memory are gone when
+the process ends), and checkpoints are spread over the GPUs: one at a time per group of
+`--tensor-parallel-size` GPUs of `--gpus` (default: every visible GPU).
 
 Output in `--out`: `table.md` and `table.csv` (rows: checkpoints; columns: MATH-500, MATH,
 GSM8K, AIME25, AMC23, Minerva, OlympiadBench — those evaluated, in this order — then extra
@@ -514,12 +517,29 @@ class VLLMGenerator:
         return [[c.text for c in r.outputs] for r in results]
 
     def close(self):
-        import torch
-
+        shutdown_vllm(self.llm)
         self.llm = None
         gc.collect()
+        import torch
+
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def shutdown_vllm(llm) -> None:
+    """Stop an offline `vllm.LLM`'s engine: its engine-core process holds the GPU memory
+    (weights, KV cache) until it is shut down, and dropping the Python object does not
+    reliably do that. Best effort: evaluation also runs each vLLM engine in its own process."""
+    engine = getattr(llm, "llm_engine", None)
+    core = getattr(engine, "engine_core", None)
+    for target in (core, engine):
+        shutdown = getattr(target, "shutdown", None)
+        if callable(shutdown):
+            try:
+                shutdown()
+            except Exception:  # already stopped, or a vLLM without it: the process exit frees it
+                pass
+            return
 
 
 def pick_backend(backend: str) -> str:
@@ -536,6 +556,28 @@ def pick_backend(backend: str) -> str:
 
 def make_generator(backend: str, model_dir: str, opts: GenOptions) -> Generator:
     return VLLMGenerator(model_dir, opts) if backend == "vllm" else HFGenerator(model_dir, opts)
+
+
+def gpu_groups(gpus: str | None, tensor_parallel_size: int) -> list[str]:
+    """CUDA_VISIBLE_DEVICES values, one per checkpoint evaluated at a time: the GPUs in
+    consecutive groups of `tensor_parallel_size`. `gpus`: "0,1,2,3", or None for every GPU
+    this process sees."""
+    if gpus is None:
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            ids = [g for g in visible.split(",") if g.strip()]
+        else:
+            import torch
+
+            ids = [str(i) for i in range(torch.cuda.device_count())]
+    else:
+        ids = [g.strip() for g in gpus.split(",") if g.strip()]
+    if not ids:
+        return []
+    tp = max(1, tensor_parallel_size)
+    if len(ids) % tp:
+        raise EvalError(f"--gpus {','.join(ids)}: {len(ids)} GPUs do not split into groups of --tensor-parallel-size {tp}")
+    return [",".join(ids[i : i + tp]) for i in range(0, len(ids), tp)]
 
 
 # --------------------------------------------------------------------------- evaluation
@@ -567,50 +609,152 @@ def evaluate(
     opts: GenOptions,
     limit: int | None = None,
     log: Callable[[str], None] = print,
+    gpus: str | None = None,
+    isolate: bool | None = None,
 ) -> dict:
-    """Generate, score and summarise; returns {checkpoint: {bench key: metrics}} (also in metrics.json)."""
+    """Generate, score and summarise; returns {checkpoint: {bench key: metrics}} (also in metrics.json).
+
+    With `isolate` (default: for the vllm backend) every checkpoint is evaluated in its own
+    process, so its vLLM engine and GPU memory are gone when the next one starts, and up to
+    one checkpoint per GPU group (`gpu_groups`) runs at a time. Without it, checkpoints run
+    one after another in this process.
+    """
     backend = pick_backend(opts.backend)
-    compute_score = _load_compute_score()
     data = {b.key: load_benchmark(b.path, limit) for b in benchmarks}
     results: dict[str, dict] = {}
     os.makedirs(out_dir, exist_ok=True)
-    for name, path in checkpoints:
-        model_dir = resolve_checkpoint(path, os.path.join(out_dir, "models", _path_name(name)))
-        log(f"[{name}] {model_dir} ({backend})")
-        generator = make_generator(backend, model_dir, opts)
-        results[name] = {}
-        try:
-            for bench in benchmarks:
-                rows = data[bench.key]
-                greedy = bench.n == 1 and not opts.sample_single
-                temperature = 0.0 if greedy else opts.temperature
-                if temperature <= 0 and bench.n > 1:
-                    raise EvalError(f"{bench.key}: {bench.n} samples per prompt need --temperature > 0")
-                start = time.monotonic()
-                responses = generator.generate([r["messages"] for r in rows], bench.n, temperature, opts.seed)
-                if len(responses) != len(rows) or any(len(r) != bench.n for r in responses):
-                    raise EvalError(f"{bench.key}: the generator returned the wrong number of responses")
-                scores = score_responses(rows, responses, compute_score)
-                metrics = all_metrics(scores, bench.metric)
-                results[name][bench.key] = {
-                    "metric": str(bench.metric),
-                    "value": metrics[str(bench.metric)],
-                    "metrics": metrics,
-                    "prompts": len(rows),
-                    "samples_per_prompt": bench.n,
-                    "temperature": temperature,
-                    "file": bench.path,
-                }
-                _write_samples(
-                    os.path.join(out_dir, "samples", _path_name(name), f"{_path_name(bench.key)}.jsonl"), rows, responses, scores
-                )
-                log(f"[{name}] {bench.label}: {bench.metric} = {metrics[str(bench.metric)]:.4f} ({len(rows)} prompts, {time.monotonic() - start:.0f} s)")
-                # kept current, so an interrupted run keeps what it finished
-                _write_json(os.path.join(out_dir, "metrics.json"), results)
-        finally:
-            generator.close()
+    # trainer checkpoints are merged here, once, before any generation
+    jobs = [(name, resolve_checkpoint(path, os.path.join(out_dir, "models", _path_name(name)))) for name, path in checkpoints]
+    if isolate is None:
+        isolate = backend == "vllm"
+
+    def done(name: str, per_bench: dict) -> None:
+        results[name] = per_bench
+        # kept current, so an interrupted run keeps what it finished
+        _write_json(os.path.join(out_dir, "metrics.json"), results)
+
+    if isolate:
+        groups = gpu_groups(gpus, opts.tensor_parallel_size) or [None]
+        _run_isolated(jobs, groups, (benchmarks, data, out_dir, opts, backend), done, log)
+        # table order follows the command line, not completion order
+        ordered = {name: results[name] for name, _ in jobs}
+        results.clear()
+        results.update(ordered)
+    else:
+        compute_score = _load_compute_score()
+        for name, model_dir in jobs:
+            done(name, evaluate_checkpoint(name, model_dir, benchmarks, data, out_dir, opts, backend, compute_score, log))
     _write_json(os.path.join(out_dir, "metrics.json"), results)
     return results
+
+
+def evaluate_checkpoint(
+    name: str,
+    model_dir: str,
+    benchmarks: Sequence[Benchmark],
+    data: dict,
+    out_dir: str,
+    opts: GenOptions,
+    backend: str,
+    compute_score: Callable,
+    log: Callable[[str], None] = print,
+) -> dict:
+    """One checkpoint on every benchmark: {bench key: metrics}; its samples go to out_dir/samples."""
+    log(f"[{name}] {model_dir} ({backend})")
+    generator = make_generator(backend, model_dir, opts)
+    results: dict[str, dict] = {}
+    try:
+        for bench in benchmarks:
+            rows = data[bench.key]
+            greedy = bench.n == 1 and not opts.sample_single
+            temperature = 0.0 if greedy else opts.temperature
+            if temperature <= 0 and bench.n > 1:
+                raise EvalError(f"{bench.key}: {bench.n} samples per prompt need --temperature > 0")
+            start = time.monotonic()
+            responses = generator.generate([r["messages"] for r in rows], bench.n, temperature, opts.seed)
+            if len(responses) != len(rows) or any(len(r) != bench.n for r in responses):
+                raise EvalError(f"{bench.key}: the generator returned the wrong number of responses")
+            scores = score_responses(rows, responses, compute_score)
+            metrics = all_metrics(scores, bench.metric)
+            results[bench.key] = {
+                "metric": str(bench.metric),
+                "value": metrics[str(bench.metric)],
+                "metrics": metrics,
+                "prompts": len(rows),
+                "samples_per_prompt": bench.n,
+                "temperature": temperature,
+                "file": bench.path,
+            }
+            _write_samples(
+                os.path.join(out_dir, "samples", _path_name(name), f"{_path_name(bench.key)}.jsonl"), rows, responses, scores
+            )
+            log(f"[{name}] {bench.label}: {bench.metric} = {metrics[str(bench.metric)]:.4f} ({len(rows)} prompts, {time.monotonic() - start:.0f} s)")
+    finally:
+        generator.close()
+    return results
+
+
+def _checkpoint_process(name, model_dir, shared, queue) -> None:
+    """Body of one checkpoint's process: evaluate, send (name, ok, result or error line), exit."""
+    benchmarks, data, out_dir, opts, backend = shared
+    try:
+        result = evaluate_checkpoint(name, model_dir, benchmarks, data, out_dir, opts, backend, _load_compute_score(),
+                                     lambda msg: print(msg, flush=True))
+        queue.put((name, True, result))
+    except BaseException as e:  # reported by the parent as one line naming the checkpoint
+        first = (str(e).strip().splitlines() or [""])[0]
+        queue.put((name, False, f"{type(e).__name__}: {first}"))
+
+
+# how often the parent looks for a checkpoint process that died without reporting (seconds)
+_POLL_S = 2.0
+
+
+def _run_isolated(jobs, groups, shared, done, log) -> None:
+    """Run `_checkpoint_process` per job, at most one per GPU group at a time (spawned, so no
+    CUDA state is inherited); CUDA_VISIBLE_DEVICES is the job's group."""
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    pending, free = list(jobs), list(groups)
+    running: dict[str, tuple] = {}
+    try:
+        while pending or running:
+            while pending and free:
+                (name, model_dir), group = pending.pop(0), free.pop(0)
+                saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+                if group is not None:
+                    os.environ["CUDA_VISIBLE_DEVICES"] = group
+                    log(f"[{name}] on GPU(s) {group}")
+                try:
+                    proc = ctx.Process(target=_checkpoint_process, args=(name, model_dir, shared, results), daemon=False)
+                    proc.start()
+                finally:
+                    if saved is None:
+                        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+                    else:
+                        os.environ["CUDA_VISIBLE_DEVICES"] = saved
+                running[name] = (proc, group)
+            try:
+                name, ok, payload = results.get(timeout=_POLL_S)
+            except queue_mod.Empty:
+                dead = [(n, p.exitcode) for n, (p, _) in running.items() if not p.is_alive()]
+                if dead:
+                    n, code = dead[0]
+                    raise EvalError(f"checkpoint {n}: its evaluation process exited with code {code} without a result")
+                continue
+            proc, group = running.pop(name)
+            proc.join()
+            free.append(group)
+            if not ok:
+                raise EvalError(f"checkpoint {name}: {payload}")
+            done(name, payload)
+    finally:
+        for proc, _ in running.values():
+            proc.terminate()
+            proc.join()
 
 
 def _write_json(path: str, data) -> None:
@@ -755,6 +899,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--device", help="hf: cpu | cuda[:i] (default: cuda when available)")
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vllm")
+    parser.add_argument(
+        "--gpus", metavar="IDS",
+        help="vllm: GPU ids to spread checkpoints over, e.g. 0,1,2,3: one checkpoint per group of "
+        "--tensor-parallel-size GPUs at a time, each in its own process (default: every visible GPU)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--chat-template-kwargs", default="{}", metavar="JSON",
@@ -798,7 +947,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             chat_template_kwargs=tuple(template_kwargs.items()),
         )
-        results = evaluate(checkpoints, benchmarks, args.out, opts, limit=args.limit)
+        results = evaluate(checkpoints, benchmarks, args.out, opts, limit=args.limit, gpus=args.gpus)
     except EvalError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -41,6 +41,7 @@ from recipe_hacpo.core_algos import (
     compute_hacpo_advantage,
 )
 from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
+from recipe_hacpo.placement import check_ray_cluster, make_pool, request_for
 from recipe_hacpo.reliability import (
     LATEST_FILE,
     STATE_FILE,
@@ -85,6 +86,7 @@ class HacpoTrainer:
         self.train_dataloader = train_dataloader
         self.val_dataloader = val_dataloader
         self.total_steps = total_steps
+        check_ray_cluster(self.config, self.specs)  # one line naming the agent, instead of a hang
         shared = self._shared_pool()
         # verl sizes each agent's LR schedule from this key
         for agent in self.agents.values():
@@ -95,16 +97,8 @@ class HacpoTrainer:
     def _shared_pool(self):
         if not any(s.uses_shared_pool for s in self.specs):
             return None
-        from verl.single_controller.ray import RayResourcePool
-
-        t = self.config.trainer
-        # several agents' workers are placed on the same bundles and take turns
-        return RayResourcePool(
-            process_on_nodes=[int(t.n_gpus_per_node)] * int(t.nnodes),
-            use_gpu=True,
-            max_colocate_count=sum(s.uses_shared_pool for s in self.specs) + 1,
-            name_prefix="hacpo_shared",
-        )
+        # several agents' workers are placed on the same bundles and take turns (placement.py)
+        return make_pool(request_for(self.config, self.specs, "shared", self.device_name), self.config, self.device_name)
 
     def _build_exchanges(self) -> dict[tuple[str, str], RolloutExchange]:
         """One converter per (source, learner) pair; its widths are the learner's rollout limits."""

@@ -458,3 +458,125 @@ def test_verl_rlhf_dataset_loads_our_files(make_tokenizer, tmp_path):
     assert len(both) == 64 + 3
     assert both[64]["data_source"] == "HuggingFaceH4/MATH-500"
     assert both[64]["reward_model"]["ground_truth"] == "\\left( 3, \\frac{\\pi}{2} \\right)"
+
+
+# ------------------------------------------------------------------ the Hub's file layouts
+
+
+def _parquet(path, records):
+    import pyarrow as pa
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(records), path)
+
+
+def _jsonl(path, records):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def _math(n, subject):
+    return [{"problem": f"{subject} {i}", "solution": f"so \\boxed{{{i}}}", "type": subject} for i in range(n)]
+
+
+def _read(path):
+    return pq.read_table(path).to_pylist()
+
+
+def test_input_directory_of_shards_is_concatenated_in_order(tmp_path, capsys):
+    shards = tmp_path / "MATH-500" / "data"
+    _parquet(str(shards / "test-00001-of-00002.parquet"), [{"problem": "b", "answer": "2"}])
+    _parquet(str(shards / "test-00000-of-00002.parquet"), [{"problem": "a", "answer": "1"}, {"problem": "c", "answer": "3"}])
+    out = tmp_path / "m.parquet"
+    assert prepare.main(["--source", "math500", "--input", str(tmp_path / "MATH-500"), "--out", str(out)]) == 0
+    rows = _read(out)
+    assert [r["reward_model"]["ground_truth"] for r in rows] == ["1", "3", "2"]
+    assert [r["extra_info"]["index"] for r in rows] == [0, 1, 2]
+
+
+def test_input_glob_over_the_seven_subject_configs(tmp_path):
+    subjects = ["algebra", "counting_and_probability", "geometry", "intermediate_algebra", "number_theory",
+                "prealgebra", "precalculus"]
+    root = tmp_path / "hendrycks_math"
+    for k, subject in enumerate(subjects):
+        _parquet(str(root / subject / "train-00000-of-00001.parquet"), _math(k + 1, subject))
+        _parquet(str(root / subject / "test-00000-of-00001.parquet"), _math(1, subject))
+    out = tmp_path / "math_train.parquet"
+    assert prepare.main(["--source", "math", "--input", str(root / "*" / "train-*.parquet"), "--out", str(out)]) == 0
+    rows = _read(out)
+    assert len(rows) == sum(range(1, 8)) and {r["extra_info"]["split"] for r in rows} == {"train"}
+    assert rows[0]["prompt"][0]["content"].startswith("algebra 0") and rows[-1]["prompt"][0]["content"].startswith("precalculus 6")
+    # --limit counts over all the files
+    assert prepare.main(["--source", "math", "--input", str(root / "*" / "train-*.parquet"), "--out", str(out), "--limit", "4"]) == 0
+    assert len(_read(out)) == 4
+
+
+def test_input_aime_2025_parts_one_and_two(tmp_path):
+    one = [{"question": f"I.{i}", "answer": str(i)} for i in range(15)]
+    two = [{"question": f"II.{i}", "answer": str(100 + i)} for i in range(15)]
+    _jsonl(str(tmp_path / "aime2025-I.jsonl"), one)
+    _jsonl(str(tmp_path / "aime2025-II.jsonl"), two)
+    out = tmp_path / "aime.parquet"
+    argv = ["--source", "aime25", "--input", str(tmp_path / "aime2025-I.jsonl"), str(tmp_path / "aime2025-II.jsonl")]
+    assert prepare.main(argv + ["--out", str(out)]) == 0
+    rows = _read(out)
+    assert len(rows) == 30 and rows[15]["reward_model"]["ground_truth"] == "100"
+    assert {r["data_source"] for r in rows} == {"aime25"}
+
+
+def test_input_that_matches_nothing_fails_in_one_line(tmp_path, capsys):
+    assert prepare.main(["--source", "math", "--input", str(tmp_path / "*.parquet"), "--out", str(tmp_path / "o.parquet")]) == 1
+    err = capsys.readouterr().err
+    assert "matches no .parquet, .jsonl or .json file" in err and err.count("\n") == 1
+
+
+def test_all_from_reads_hub_folders_and_aime_parts(tmp_path, capsys):
+    raw = tmp_path / "raw"
+    for subject in ("algebra", "geometry"):
+        _parquet(str(raw / "hendrycks_math" / subject / "train-00000-of-00001.parquet"), _math(2, subject))
+        _parquet(str(raw / "hendrycks_math" / subject / "test-00000-of-00001.parquet"), _math(1, subject))
+    _parquet(str(raw / "MATH-500" / "test-00000-of-00001.parquet"), [{"problem": "p", "answer": "7"}])
+    _parquet(str(raw / "gsm8k" / "main" / "test-00000-of-00001.parquet"), [{"question": "q", "answer": "x #### 1,000"}])
+    _parquet(str(raw / "gsm8k" / "main" / "train-00000-of-00001.parquet"), [{"question": "q", "answer": "x #### 2"}])
+    _jsonl(str(raw / "aime2025-I.jsonl"), [{"question": "a", "answer": "1"}])
+    _jsonl(str(raw / "aime2025-II.jsonl"), [{"question": "b", "answer": "2"}, {"question": "c", "answer": "3"}])
+    _jsonl(str(raw / "minerva" / "validation-00000-of-00001.jsonl"), [{"problem": "v", "answer": "0"}])
+    # Hothan/OlympiadBench calls its one split "train": a benchmark is written as test
+    _parquet(str(raw / "OlympiadBench" / "OE_TO_maths_en_COMP" / "train-00000-of-00001.parquet"),
+             [{"question": "o", "final_answer": ["5"]}])
+    out = tmp_path / "out"
+    assert prepare.main(["--all-from", str(raw), "--out", str(out)]) == 0
+    assert sorted(os.listdir(out)) == [
+        "aime25_test.parquet", "gsm8k_test.parquet", "gsm8k_train.parquet", "math500_test.parquet",
+        "math_test.parquet", "math_train.parquet", "olympiadbench_test.parquet",
+    ]
+    assert len(_read(out / "math_train.parquet")) == 4 and len(_read(out / "math_test.parquet")) == 2
+    assert [r["reward_model"]["ground_truth"] for r in _read(out / "aime25_test.parquet")] == ["1", "2", "3"]
+    assert _read(out / "gsm8k_test.parquet")[0]["reward_model"]["ground_truth"] == "1000"
+    err = capsys.readouterr().err
+    assert "validation-00000-of-00001.jsonl (not a recognised dataset file)" in err
+    for name in os.listdir(out):
+        validate_file(str(out / name))
+
+
+def test_all_from_still_refuses_two_whole_files_for_one_output(tmp_path, capsys):
+    raw = tmp_path / "raw"
+    _jsonl(str(raw / "math_train.jsonl"), _math(1, "x"))
+    _parquet(str(raw / "hendrycks_math" / "algebra" / "train-00000-of-00001.parquet"), _math(1, "algebra"))
+    assert prepare.main(["--all-from", str(raw), "--out", str(tmp_path / "out")]) == 1
+    assert "both map to" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("path, split", [
+    ("math500/test-00000-of-00001.parquet", "test"),
+    ("hendrycks_math/algebra/train-00000-of-00001.parquet", "train"),
+    ("gsm8k/main/test-00003-of-00010.parquet", "test"),
+    ("x/validation-00000-of-00001.parquet", "validation"),
+    ("amc23/amc23_test.jsonl", "test"),
+    ("olympiadbench/test/OE_TO_maths_en_COMP.parquet", "test"),
+    ("aime2025/aime2025-I.jsonl", None),
+    ("MATH-500/test.jsonl", "test"),
+])
+def test_split_of_a_part(path, split):
+    assert prepare.split_of_part(path) == split

@@ -319,3 +319,53 @@ def test_agents_from_a_trainer_checkpoint_root(tmp_path, tiny_agent_paths):
     assert [n for n, _ in ev.agent_checkpoints(str(root / "global_step_2"))] == ["qwen_char"]
     with pytest.raises(ev.EvalError, match="no <agent>/actor folders"):
         ev.agent_checkpoints(str(tmp_path))
+
+
+# --------------------------------------------------------------------------- one engine per process
+
+
+def test_gpu_groups_follow_tensor_parallel_size(monkeypatch):
+    assert ev.gpu_groups("0,1,2,3", 1) == ["0", "1", "2", "3"]
+    assert ev.gpu_groups("0,1,2,3", 2) == ["0,1", "2,3"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5")
+    assert ev.gpu_groups(None, 1) == ["4", "5"]
+    with pytest.raises(ev.EvalError, match=r"--gpus 0,1,2: 3 GPUs do not split into groups of --tensor-parallel-size 2"):
+        ev.gpu_groups("0,1,2", 2)
+
+
+def test_shutdown_stops_the_engine_core():
+    calls = []
+    core = types.SimpleNamespace(shutdown=lambda: calls.append("core"))
+    ev.shutdown_vllm(types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=core, shutdown=lambda: calls.append("engine"))))
+    assert calls == ["core"]
+    ev.shutdown_vllm(types.SimpleNamespace(llm_engine=types.SimpleNamespace(shutdown=lambda: calls.append("engine"))))
+    assert calls == ["core", "engine"]
+    ev.shutdown_vllm(None)  # nothing to stop
+
+
+def test_checkpoints_in_their_own_processes_match_in_process(tmp_path, tiny_agent_paths):
+    bench = ev.Benchmark("gsm8k", _bench(tmp_path, "gsm8k"), ev.Metric("avg", 1), 1)
+    opts = ev.GenOptions(backend="hf", max_new_tokens=4, batch_size=2, device="cpu")
+    checkpoints = [("a", tiny_agent_paths["qwen2-char-small"]), ("b", tiny_agent_paths["llama-pair-medium"])]
+    logs: list[str] = []
+    inproc = ev.evaluate(checkpoints, [bench], str(tmp_path / "inproc"), opts, log=logs.append, isolate=False)
+    spread = ev.evaluate(checkpoints, [bench], str(tmp_path / "spread"), opts, log=logs.append, gpus="6,7", isolate=True)
+    assert list(spread) == ["a", "b"]
+    assert {n: r["gsm8k"]["value"] for n, r in spread.items()} == {n: r["gsm8k"]["value"] for n, r in inproc.items()}
+    # the two checkpoints went to the two GPU groups
+    assert sorted(line for line in logs if "on GPU(s)" in line) == ["[a] on GPU(s) 6", "[b] on GPU(s) 7"]
+    for name in ("a", "b"):
+        assert (tmp_path / "spread" / "samples" / name / "gsm8k.jsonl").read_text() == (
+            tmp_path / "inproc" / "samples" / name / "gsm8k.jsonl").read_text()
+
+
+def test_a_failing_checkpoint_process_is_one_line(tmp_path, tiny_agent_paths):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_agent_paths["qwen2-char-small"], broken)
+    for weights in broken.glob("*.safetensors"):
+        weights.write_bytes(b"not a safetensors file")
+    bench = ev.Benchmark("gsm8k", _bench(tmp_path, "gsm8k"), ev.Metric("avg", 1), 1)
+    opts = ev.GenOptions(backend="hf", max_new_tokens=2, device="cpu")
+    with pytest.raises(ev.EvalError, match=r"^checkpoint broken: \w+") as err:
+        ev.evaluate([("broken", str(broken))], [bench], str(tmp_path / "out"), opts, log=lambda m: None, gpus="0", isolate=True)
+    assert "\n" not in str(err.value)

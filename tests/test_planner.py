@@ -172,17 +172,18 @@ def test_cpu_rollouts_are_not_memory_checked():
     validate(cfg, check_paths=False)
 
 
-def _plan_only(preset: str, overrides: list[str]) -> subprocess.CompletedProcess:
+def _plan_only(preset: str, overrides: list[str], run_dir) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HACPO_")}
     return subprocess.run(
-        [sys.executable, "-m", "recipe_hacpo.main", "--config-name", preset, "trainer.plan_only=true", *overrides],
+        [sys.executable, "-m", "recipe_hacpo.main", "--config-name", preset, "trainer.plan_only=true",
+         f"hydra.run.dir={run_dir}", *overrides],
         cwd=REPO, env=env, capture_output=True, text=True, timeout=180,
     )
 
 
-def test_plan_only_prints_the_plan_and_starts_nothing():
+def test_plan_only_prints_the_plan_and_starts_nothing(tmp_path):
     preset = "pair_qwen3-4b-base_llama3p2-3b-instruct_4gpu"
-    proc = _plan_only(preset, _local_models(preset))
+    proc = _plan_only(preset, _local_models(preset), tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = proc.stdout
     assert "- qwen3_4b_base: 4 GPU(s) on 1 node(s), shared pool" in out
@@ -192,15 +193,43 @@ def test_plan_only_prints_the_plan_and_starts_nothing():
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
 
 
-def test_plan_only_exits_non_zero_on_an_impossible_config():
+def test_plan_only_exits_non_zero_on_an_impossible_config(tmp_path):
     preset = "pair_qwen3-4b_qwen3-4b-instruct_4gpu"
-    proc = _plan_only(preset, _local_models(preset) + ["actor_rollout_ref.rollout.max_model_len=null"])
+    proc = _plan_only(preset, _local_models(preset) + ["actor_rollout_ref.rollout.max_model_len=null"], tmp_path)
     assert proc.returncode == 1
     assert "DOES NOT FIT: vLLM KV cache for max_model_len=262144" in proc.stdout
     assert "error: agent qwen3_4b_instruct:" in proc.stderr
 
 
-def test_plan_only_without_local_models_says_so():
-    proc = _plan_only("pair_qwen3-4b-base_qwen3-8b-base", [])
+def test_plan_only_without_local_models_says_so(tmp_path):
+    proc = _plan_only("pair_qwen3-4b-base_qwen3-8b-base", [], tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Qwen/Qwen3-8B-Base: no config.json here" in proc.stdout and "fit not checked" in proc.stdout
+
+
+def test_hub_ids_in_the_local_cache_are_planned_without_download(tmp_path, monkeypatch):
+    """A hub id is read from the Hugging Face cache layout (refs/main -> snapshots/<rev>/config.json)."""
+    from huggingface_hub import constants
+
+    for repo, name in (("Qwen/Qwen3-4B-Base", "Qwen3-4B-Base"), ("Qwen/Qwen3-8B-Base", "Qwen3-8B-Base")):
+        root = tmp_path / f"models--{repo.replace('/', '--')}"
+        (root / "refs").mkdir(parents=True)
+        (root / "refs" / "main").write_text("abc123")
+        snapshot = root / "snapshots" / "abc123"
+        snapshot.mkdir(parents=True)
+        (snapshot / "config.json").write_text((SHAPES / name / "config.json").read_text())
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    cfg = _compose("pair_qwen3-4b-base_qwen3-8b-base")
+    plans = planner.plan(cfg, agent_specs(cfg))
+    assert [p.known for p in plans] == [True, True]
+    assert [round(p.params / 1e9, 2) for p in plans] == [4.02, 8.19]
+    # the shared-pool check now uses the arithmetic (2 × 0.42 × 80 GiB + processes fits), not
+    # the shape-free bound of 0.8 on the summed share, which rejects the same config
+    shared = ["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0",
+              "actor_rollout_ref.actor.fsdp_config.param_offload=true",
+              "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
+              "actor_rollout_ref.rollout.gpu_memory_utilization=0.42"]
+    validate(_compose("pair_qwen3-4b-base_qwen3-8b-base", shared), check_paths=False)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
+    with pytest.raises(ConfigError, match=r"0\.42\+0\.42 = 0\.84 of each GPU"):
+        validate(_compose("pair_qwen3-4b-base_qwen3-8b-base", shared), check_paths=False)

@@ -61,6 +61,13 @@ Touchpoints (private or unversioned contracts):
    in `verl/workers/rollout/replica.py`) bypasses the registry and gets verl's
    `vLLMPDReplica`, without per-agent names.
 
+9. `verl/single_controller/ray/base.py::RayResourcePool.get_placement_groups` waits on
+   `pg.ready()` forever. `TimedResourcePool` overrides it with the same groups (one per node,
+   bundles {CPU: max_colocate_count, <ray_resource_name>: 1}, STRICT_PACK, names
+   `{name_prefix}verl_group_{counts}:{i}`), reading the pool's `_store`, `max_colocate_count`,
+   `use_gpu`, `accelerator_type`, `detached` and `pgs`, waits with a timeout, and sorts them
+   with verl's `sort_placement_group_by_node_ip`.
+
 Public registrations done from here as well, to keep all of verl's registries in one file:
 `verl/workers/rollout/replica.py::RolloutReplicaRegistry.register` (public classmethod) and
 `verl/workers/engine/base.py::EngineRegistry.register`: verl registers its FSDP engines
@@ -219,7 +226,60 @@ def _agent_reward_loop_manager_cls():
     return AgentRewardLoopManager
 
 
-_LAZY = {"AgentRewardLoopManager": _agent_reward_loop_manager_cls}
+def _timed_resource_pool_cls():
+    """Build `TimedResourcePool` on first use (touchpoint 9)."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from verl.plugin.platform import get_platform
+    from verl.single_controller.ray.base import RayResourcePool, sort_placement_group_by_node_ip
+
+    class TimedResourcePool(RayResourcePool):
+        """verl's RayResourcePool whose placement gives up after `timeout_s` (touchpoint 9).
+
+        verl's `get_placement_groups` waits on `pg.ready()` with no timeout, so a request the
+        cluster cannot meet hangs the run. The groups here are the ones verl builds — one per
+        node, one bundle {CPU: max_colocate_count, <device>: 1} per GPU, STRICT_PACK — and are
+        returned sorted by node IP as verl stores them.
+        """
+
+        def __init__(self, *args, timeout_s: float, owner: str, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.timeout_s = timeout_s
+            self.owner = owner
+
+        def get_placement_groups(self, strategy="STRICT_PACK", name=None, device_name="cuda"):
+            if self.pgs is not None:
+                return self.pgs
+            prefix = name or f"{self.name_prefix}verl_group_{'_'.join(str(c) for c in self._store)}:"
+            bundle = {"CPU": self.max_colocate_count}
+            if self.use_gpu:
+                bundle[get_platform().ray_resource_name()] = 1
+                if self.accelerator_type is not None:
+                    bundle[self.accelerator_type] = 1e-4
+            pgs = [
+                placement_group(
+                    bundles=[dict(bundle) for _ in range(count)], strategy=strategy, name=f"{prefix}{i}",
+                    lifetime="detached" if self.detached else None,
+                )
+                for i, count in enumerate(self._store)
+            ]
+            ready, _ = ray.wait([pg.ready() for pg in pgs], num_returns=len(pgs), timeout=self.timeout_s)
+            if len(ready) < len(pgs):
+                for pg in pgs:
+                    remove_placement_group(pg)
+                raise RuntimeError(
+                    f"{self.owner}: {len(pgs) - len(ready)} of {len(pgs)} placement group(s) of "
+                    f"{'+'.join(map(str, self._store))} bundles {bundle} not placed after {self.timeout_s:g} s "
+                    f"(available: {ray.available_resources()}); free the resources or lower the request "
+                    "(trainer.placement_timeout_s sets the wait)"
+                )
+            self.pgs = sort_placement_group_by_node_ip(pgs)
+            return self.pgs
+
+    return TimedResourcePool
+
+
+_LAZY = {"AgentRewardLoopManager": _agent_reward_loop_manager_cls, "TimedResourcePool": _timed_resource_pool_cls}
 _BUILT: dict = {}
 
 

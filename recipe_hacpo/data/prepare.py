@@ -23,12 +23,28 @@ joined with ", ". The prompt is one user message: the problem, a space, the inst
 `--all-from DIR` converts each file named `<name>[_train|_test].<ext>` (name: a source or an
 alias such as math_500, aime2025, minerva_math) to `<out>/<source>_<split>.parquet`.
 `--from-hub` is the only path that touches the network, and only when given.
+
+The Hub's own file layouts are read as they are downloaded (`huggingface-cli download
+--repo-type dataset ...`), no renaming:
+
+- `--input` takes several files, directories (every data file below them) and globs, read in
+  sorted order and concatenated: `--input 'hendrycks_math/*/train-*.parquet'` (the 7 subject
+  configs of MATH), `--input aime2025-I.jsonl aime2025-II.jsonl` (AIME 2025 I and II).
+- `--all-from DIR` also takes a sub-folder named like a source (`math500/`, `hendrycks_math/`,
+  `aime2025/`, ...): every data file below it is one part of that source; a part's split is
+  read from its shard name (`test-00000-of-00001.parquet`), a `_train` / `_test` suffix, or a
+  `train` / `test` folder on its path, else the source's default; benchmarks (math500,
+  aime25, amc23, minerva, olympiadbench) are always written as test, whatever the Hub calls
+  their one split; `validation` shards are skipped. Top-level files named
+  `aime2025-I` / `aime2025-II` are the two parts of AIME 2025. Parts of one source and split
+  are concatenated into one output; two whole files for one output are still an error.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import json
 import math
 import os
@@ -88,7 +104,19 @@ STEM_ALIASES = {
     "minerva": "minerva",
     "minerva_math": "minerva",
     "olympiadbench": "olympiadbench",
+    # Hub repository names
+    "hendrycks_math": "math",
+    "competition_math": "math",
+    "minervamath": "minerva",
 }
+# file stems that are one part of a source split over several files (AIME 2025 I and II)
+PART_STEMS = {
+    "aime2025_i": "aime25", "aime2025_ii": "aime25", "aime25_i": "aime25", "aime25_ii": "aime25",
+}
+SPLITS = ("train", "test")
+# benchmarks with one published split; some Hub repos call it "train" (Hothan/OlympiadBench)
+EVAL_ONLY = ("math500", "aime25", "amc23", "minerva", "olympiadbench")
+_SHARD = re.compile(r"^(train|test|validation)-\d+-of-\d+$")
 
 
 # ------------------------------------------------------------------ answer extraction
@@ -163,6 +191,41 @@ def read_records(path: str) -> list[dict]:
     return rows
 
 
+def expand_inputs(inputs: list[str]) -> list[str]:
+    """Data files named by `inputs`: files as given, directories (every data file below them)
+    and globs (`**` spans folders), each group in sorted order. An input that names nothing fails."""
+    paths: list[str] = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(
+                os.path.join(root, name)
+                for root, _, names in os.walk(item)
+                for name in names
+                if name.endswith(INPUT_EXTENSIONS)
+            )
+        elif glob.has_magic(item):
+            found = sorted(p for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+        else:
+            found = [item]
+        if not found:
+            raise DataFormatError(f"{item}: matches no .parquet, .jsonl or .json file")
+        paths.extend(p for p in found if p not in paths)
+    return paths
+
+
+def convert_files(paths: list[str], source: str, split: str | None, limit: int | None, instruction: str,
+                  skip_unanswerable: bool) -> list[dict]:
+    """`convert` each file and concatenate; `extra_info.index` counts on across the files."""
+    rows: list[dict] = []
+    for path in paths:
+        left = None if limit is None else limit - len(rows)
+        if left == 0:
+            break
+        rows.extend(convert(source, read_records(path), path, split, left, instruction, skip_unanswerable,
+                            start=len(rows)))
+    return rows
+
+
 def _json_rows(data, path: str) -> list[dict]:
     if isinstance(data, list):
         return data
@@ -201,8 +264,11 @@ def convert(
     limit: int | None = None,
     instruction: str = INSTRUCTION,
     skip_unanswerable: bool = False,
+    start: int = 0,
 ) -> list[dict]:
-    """verl rows for `records` of dataset `source`; `path` names the input in error messages."""
+    """verl rows for `records` of dataset `source`; `path` names the input in error messages.
+
+    `start` offsets `extra_info.index` (one file of several)."""
     if source not in SOURCES:
         raise DataFormatError(f"{path}: unknown source {source!r} (expected one of {', '.join(SOURCES)})")
     spec = SOURCES[source]
@@ -222,7 +288,7 @@ def convert(
             what = "has no answer" if present else "missing"
             raise DataFormatError(f"{path}: row {i}: field '{field}' {what} (expected {fields})")
         content = f"{question} {instruction}" if instruction else question
-        rows.append(make_row(spec.data_source, content, ABILITY, answer, split, i))
+        rows.append(make_row(spec.data_source, content, ABILITY, answer, split, start + i))
     if not rows:
         raise DataFormatError(f"{path}: no rows to convert (expected at least one {source} record)")
     return rows
@@ -263,50 +329,102 @@ def _answer(spec: Source, record: dict) -> str | None:
 # ------------------------------------------------------------------ command line
 
 
+def _normalize(stem: str) -> str:
+    return stem.lower().replace("-", "_")
+
+
 def source_of_file(name: str) -> tuple[str, str | None] | None:
     """(source, split or None) for a file name `--all-from` recognises, else None."""
     stem, ext = os.path.splitext(name)
     if ext not in INPUT_EXTENSIONS:
         return None
-    stem = stem.lower().replace("-", "_")
+    stem = _normalize(stem)
     split = None
     for suffix in ("_train", "_test"):
         if stem.endswith(suffix):
             stem, split = stem[: -len(suffix)], suffix[1:]
             break
-    source = STEM_ALIASES.get(stem)
+    source = STEM_ALIASES.get(stem) or PART_STEMS.get(stem)
     return (source, split) if source else None
+
+
+def split_of_part(path: str) -> str | None:
+    """The split of one file of a multi-file source: shard name, `_train`/`_test` suffix, or a
+    `train`/`test` folder on its path; None when nothing says."""
+    stem = _normalize(os.path.splitext(os.path.basename(path))[0])
+    shard = _SHARD.match(stem.replace("_", "-"))
+    if shard:
+        return shard.group(1) if shard.group(1) in SPLITS else "validation"
+    if stem in SPLITS:
+        return stem  # HuggingFaceH4/MATH-500's test.jsonl
+    for suffix in ("_train", "_test"):
+        if stem.endswith(suffix):
+            return suffix[1:]
+    for part in reversed(os.path.normpath(os.path.dirname(path)).split(os.sep)):
+        if _normalize(part) in SPLITS:
+            return _normalize(part)
+    return None
 
 
 def convert_dir(
     in_dir: str, out_dir: str, split: str | None, limit: int | None, instruction: str, skip_unanswerable: bool
 ) -> list[str]:
-    """Convert every recognised file of `in_dir` to `<out_dir>/<source>_<split>.parquet`."""
+    """Convert every recognised file and source folder of `in_dir` to `<out_dir>/<source>_<split>.parquet`."""
     if not os.path.isdir(in_dir):
         raise DataFormatError(f"{in_dir}: no such directory (expected a folder of dataset files for --all-from)")
-    jobs, skipped = {}, []
+    # out path -> (what it came from, source, split, [files], whole file?)
+    jobs: dict[str, tuple[str, str, str, list[str], bool]] = {}
+    skipped = []
+
+    def add(out_split: str, source: str, label: str, path: str, whole: bool) -> None:
+        out = os.path.join(out_dir, f"{source}_{out_split}.parquet")
+        if out in jobs:
+            first, _, _, files, first_whole = jobs[out]
+            if whole or first_whole:
+                raise DataFormatError(f"{in_dir}: {first} and {label} both map to {out} (expected one file each)")
+            files.append(path)
+            return
+        jobs[out] = (label, source, out_split, [path], whole)
+
     for name in sorted(os.listdir(in_dir)):
+        path = os.path.join(in_dir, name)
+        if os.path.isdir(path):
+            source = STEM_ALIASES.get(_normalize(name))
+            if source is None:
+                skipped.append(name + "/")
+                continue
+            parts = expand_inputs([path]) if any(
+                f.endswith(INPUT_EXTENSIONS) for _, _, fs in os.walk(path) for f in fs) else []
+            if not parts:
+                skipped.append(name + "/")
+            for part in parts:
+                part_split = split_of_part(os.path.relpath(part, in_dir))
+                if part_split not in (None, *SPLITS):
+                    skipped.append(os.path.relpath(part, in_dir))
+                    continue
+                if source in EVAL_ONLY:
+                    part_split = "test"
+                add(part_split or split or SOURCES[source].split, source, f"{name}/", part, whole=False)
+            continue
         found = source_of_file(name)
         if found is None:
             skipped.append(name)
             continue
         source, file_split = found
-        out_split = file_split or split or SOURCES[source].split
-        out = os.path.join(out_dir, f"{source}_{out_split}.parquet")
-        if out in jobs:
-            raise DataFormatError(f"{in_dir}: {jobs[out][0]} and {name} both map to {out} (expected one file each)")
-        jobs[out] = (name, source, out_split)
+        whole = _normalize(os.path.splitext(name)[0]).removesuffix(f"_{file_split}") not in PART_STEMS
+        add(file_split or split or SOURCES[source].split, source, name, path, whole)
     if not jobs:
         names = ", ".join(sorted(set(STEM_ALIASES)))
         raise DataFormatError(
-            f"{in_dir}: no recognised dataset files (expected <name>[_train|_test].parquet|jsonl|json, "
-            f"name one of {names})"
+            f"{in_dir}: no recognised dataset files (expected <name>[_train|_test].parquet|jsonl|json or a "
+            f"folder <name>/ of Hub shards, name one of {names})"
         )
     for name in skipped:
         print(f"skipped {os.path.join(in_dir, name)} (not a recognised dataset file)", file=sys.stderr)
-    for out, (name, source, out_split) in jobs.items():
-        path = os.path.join(in_dir, name)
-        write_rows(convert(source, read_records(path), path, out_split, limit, instruction, skip_unanswerable), out)
+    for out, (label, source, out_split, files, _) in jobs.items():
+        if len(files) > 1:
+            print(f"{out}: {len(files)} parts of {label}", file=sys.stderr)
+        write_rows(convert_files(files, source, out_split, limit, instruction, skip_unanswerable), out)
     return list(jobs)
 
 
@@ -317,7 +435,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--source", choices=sorted(SOURCES), help="which dataset the input is")
     where = parser.add_mutually_exclusive_group(required=True)
-    where.add_argument("--input", help="local .parquet, .jsonl or .json file")
+    where.add_argument(
+        "--input", nargs="+",
+        help="local .parquet, .jsonl or .json files, directories or globs, concatenated in order "
+        "(e.g. 'hendrycks_math/*/train-*.parquet', or aime2025-I.jsonl aime2025-II.jsonl)",
+    )
     where.add_argument("--all-from", metavar="DIR", help="convert every recognised file in DIR; --out is a folder")
     where.add_argument("--from-hub", metavar="NAME", help="load NAME with datasets.load_dataset (needs network)")
     parser.add_argument("--out", required=True, help="output .parquet file (a folder with --all-from)")
@@ -346,11 +468,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             split = args.split or SOURCES[args.source].split
             if args.input is not None:
-                records, label = read_records(args.input), args.input
+                rows = convert_files(expand_inputs(args.input), args.source, split, args.limit, args.instruction,
+                                     args.skip_unanswerable)
             else:
                 records = read_hub(args.from_hub, args.hub_config, args.hub_split or split)
                 label = f"hub:{args.from_hub}"
-            rows = convert(args.source, records, label, split, args.limit, args.instruction, args.skip_unanswerable)
+                rows = convert(args.source, records, label, split, args.limit, args.instruction, args.skip_unanswerable)
             write_rows(rows, args.out)
             outs = [args.out]
     except DataFormatError as e:

@@ -1,0 +1,142 @@
+"""Where each agent's workers go: the Ray resource pools, and the check that the cluster has them.
+
+Every agent with `n_gpus_per_node > 0` gets its own pool of `n_gpus_per_node × nnodes` GPUs;
+agents with 0 share one pool of `trainer.n_gpus_per_node × trainer.nnodes` GPUs and take
+turns on it. A pool is one Ray placement group per node, one bundle per GPU, each bundle
+{GPU: 1, CPU: colocate} where `colocate` is how many processes may share that GPU.
+
+`check_cluster` compares what every pool asks for with `ray.cluster_resources()` once, before
+any pool is built, and fails with one line naming the agent and the shortfall. `make_pool`
+builds a pool whose placement groups give up after `trainer.placement_timeout_s` instead of
+waiting forever (verl's `RayResourcePool` blocks on `pg.ready()` without a timeout).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# CPUs reserved per GPU bundle = processes that may share the GPU:
+# - own pool on GPU: verl's default for FSDP (actor/ref worker, rollout, reward model);
+OWN_POOL_COLOCATE = 3
+# - a shared pool: one slot per sharing agent plus one spare for verl's helpers;
+SHARED_POOL_SPARE = 1
+# - on CPU a bundle asks for 1 CPU: verl's default of 10 CPUs per bundle never places on a
+#   small machine (2 cores), and the CPU backend runs one process per bundle.
+CPU_COLOCATE = 1
+# seconds a placement group may take to be placed (trainer.placement_timeout_s)
+DEFAULT_PLACEMENT_TIMEOUT_S = 600.0
+
+
+class PlacementError(RuntimeError):
+    """The cluster cannot host a pool; the message is one line naming the agent."""
+
+
+@dataclass(frozen=True)
+class PoolRequest:
+    """What one pool asks of the cluster."""
+
+    name: str  # agent name, or "shared"
+    agents: tuple[str, ...]
+    process_on_nodes: tuple[int, ...]  # GPUs per node
+    cpus_per_bundle: int
+
+    @property
+    def gpus(self) -> int:
+        return sum(self.process_on_nodes)
+
+    @property
+    def cpus(self) -> int:
+        return self.gpus * self.cpus_per_bundle
+
+
+def pool_requests(config, specs, device: str) -> list[PoolRequest]:
+    """Every pool of the run, own pools first in agent order, then the shared pool."""
+    requests = [
+        PoolRequest(
+            name=s.name,
+            agents=(s.name,),
+            process_on_nodes=(s.n_gpus_per_node,) * s.nnodes,
+            cpus_per_bundle=CPU_COLOCATE if device == "cpu" else OWN_POOL_COLOCATE,
+        )
+        for s in specs
+        if not s.uses_shared_pool
+    ]
+    sharing = tuple(s.name for s in specs if s.uses_shared_pool)
+    if sharing:
+        t = config.trainer
+        requests.append(
+            PoolRequest(
+                name="shared",
+                agents=sharing,
+                process_on_nodes=(int(t.n_gpus_per_node),) * int(t.nnodes),
+                cpus_per_bundle=len(sharing) + SHARED_POOL_SPARE,
+            )
+        )
+    return requests
+
+
+def resource_key(device: str) -> str:
+    """The Ray resource a bundle asks for (the CPU backend reports its logical GPUs as "GPU")."""
+    return "NPU" if device == "npu" else "GPU"
+
+
+def check_cluster(requests: list[PoolRequest], cluster: dict, device: str, nodes: list[dict] | None = None) -> None:
+    """Fail unless the cluster's totals (and, given `nodes`, one node per pool node) cover every pool.
+
+    `cluster` is `ray.cluster_resources()`; `nodes` the alive nodes' resource dicts. Pools are
+    charged in order, so the message names the first agent that does not fit.
+    """
+    key = resource_key(device)
+    have_gpu, have_cpu = float(cluster.get(key, 0)), float(cluster.get("CPU", 0))
+    used_gpu = used_cpu = 0.0
+    for r in requests:
+        who = f"agent {r.name}" if r.name != "shared" else f"shared pool of agents {', '.join(r.agents)}"
+        if used_gpu + r.gpus > have_gpu:
+            raise PlacementError(
+                f"{who}: needs {r.gpus} {key} ({'+'.join(map(str, r.process_on_nodes))} per node) but the Ray cluster "
+                f"has {have_gpu:g}" + (f", {used_gpu:g} of them taken by the pools before it" if used_gpu else "")
+                + f": short of {used_gpu + r.gpus - have_gpu:g} {key}"
+            )
+        if used_cpu + r.cpus > have_cpu:
+            raise PlacementError(
+                f"{who}: needs {r.cpus} CPUs ({r.cpus_per_bundle} per {key}) but the Ray cluster has {have_cpu:g}"
+                + (f", {used_cpu:g} of them taken by the pools before it" if used_cpu else "")
+                + f": short of {used_cpu + r.cpus - have_cpu:g} CPUs; start Ray with more CPUs (ray start --num-cpus)"
+            )
+        used_gpu += r.gpus
+        used_cpu += r.cpus
+        if nodes is not None:
+            biggest = max((float(n.get(key, 0)) for n in nodes), default=0.0)
+            if max(r.process_on_nodes) > biggest:
+                raise PlacementError(
+                    f"{who}: needs {max(r.process_on_nodes)} {key} on one node but the largest node has {biggest:g}; "
+                    "lower n_gpus_per_node and raise nnodes"
+                )
+
+
+def check_ray_cluster(config, specs) -> None:
+    """`check_cluster` against the running Ray cluster: call once, before any pool is built."""
+    import ray
+
+    device = str(config.trainer.device)
+    nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+    check_cluster(pool_requests(config, specs, device), ray.cluster_resources(), device, nodes)
+
+
+def make_pool(request: PoolRequest, config, device: str):
+    """The Ray resource pool of one request; its placement waits at most trainer.placement_timeout_s."""
+    from recipe_hacpo.workers.verl_touchpoints import TimedResourcePool
+
+    return TimedResourcePool(
+        process_on_nodes=list(request.process_on_nodes),
+        use_gpu=True,
+        max_colocate_count=request.cpus_per_bundle,
+        name_prefix=f"hacpo_{request.name}",
+        timeout_s=float(config.trainer.get("placement_timeout_s", DEFAULT_PLACEMENT_TIMEOUT_S)),
+        owner=request.name if request.name != "shared" else f"shared pool of {', '.join(request.agents)}",
+    )
+
+
+def request_for(config, specs, pool: str, device: str) -> PoolRequest:
+    """The request named `pool` (an agent with its own pool, or "shared")."""
+    return next(r for r in pool_requests(config, specs, device) if r.name == pool)
