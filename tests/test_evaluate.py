@@ -319,3 +319,11 @@ def test_agents_from_a_trainer_checkpoint_root(tmp_path, tiny_agent_paths):
     assert [n for n, _ in ev.agent_checkpoints(str(root / "global_step_2"))] == ["qwen_char"]
     with pytest.raises(ev.EvalError, match="no <agent>/actor folders"):
         ev.agent_checkpoints(str(tmp_path))
+
+
+def test_main_table_defaults_to_the_papers_generation_limit(capsys):
+    # the paper's main tables: at most 8196 new tokens per response
+    assert ev.GenOptions().max_new_tokens == 8196
+    with pytest.raises(SystemExit):
+        ev.main(["--help"])
+    assert "default 8196" in " ".join(capsys.readouterr().out.split())
