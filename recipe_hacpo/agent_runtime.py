@@ -144,9 +144,9 @@ class AgentRuntime:
 
         `actor.ppo_mini_batch_size` keeps verl's meaning: prompts per optimizer update, each
         with all its rows (own and, when sharing, cross), so an update holds
-        ppo_mini_batch_size × rows_per_prompt rows. A batch with cross rows is first put in update order
-        (`minibatch.mini_batch_order`): every mini-batch on every data-parallel rank holds whole
-        prompt groups with own and cross rows. The worker's per-mini-batch record of the step
+        ppo_mini_batch_size × rows_per_prompt rows. A batch with cross rows is first put in
+        update order (`minibatch.mini_batch_order`): every mini-batch on every data-parallel
+        rank holds whole prompt groups with own and cross rows. The worker's per-mini-batch record of the step
         is kept in `last_update_record` (one list per rank) and summarised as
         hacpo/updates (optimizer updates this step), hacpo/lower_bound (mean over them of the
         bound the loss used), hacpo/min_own_rows and hacpo/min_cross_rows (fewest own / cross
