@@ -17,6 +17,7 @@ import ray
 import torch
 from omegaconf import DictConfig
 
+from recipe_hacpo import batch_keys as K
 from recipe_hacpo.config import AgentSpec, HacpoSettings
 from recipe_hacpo.exchange import eos_token_ids
 from recipe_hacpo.placement import make_pool, request_for
@@ -137,9 +138,34 @@ class AgentRuntime:
         return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
 
     def update(self, batch: DataProto, rows_per_prompt: int) -> dict[str, float]:
-        """Mini-batch updates on the learner batch; returns the actor's metrics (means)."""
+        """Mini-batch updates on the learner batch; returns the actor's metrics (means over updates).
+
+        `actor.ppo_mini_batch_size` keeps verl's meaning: prompts per optimizer update, each
+        with all its rows (own and, when sharing, cross), so an update holds
+        ppo_mini_batch_size × rows_per_prompt rows. A batch with cross rows is first put in
+        update order (`minibatch.mini_batch_order`): every mini-batch on every data-parallel
+        rank holds whole prompt groups with own and cross rows. The worker's per-mini-batch record of the step
+        is kept in `last_update_record` (one list per rank) and summarised as
+        hacpo/updates (optimizer updates this step), hacpo/lower_bound (mean over them of the
+        bound the loss used), hacpo/min_own_rows and hacpo/min_cross_rows (fewest own / cross
+        rows any rank had in any mini-batch).
+        """
+        from recipe_hacpo.minibatch import mini_batch_order
+
         actor = self.config.actor_rollout_ref.actor
-        mini_rows = int(actor.ppo_mini_batch_size) * rows_per_prompt
+        mini_prompts = int(actor.ppo_mini_batch_size)
+        mini_rows = mini_prompts * rows_per_prompt
+        seed = int(actor.get("data_loader_seed", 42) or 42)
+        if bool(batch.batch[K.IS_CROSS].any()):
+            # isolated learners keep verl's row order (prompt groups are already contiguous)
+            order = mini_batch_order(
+                batch.non_tensor_batch["uid"],
+                batch.batch[K.IS_CROSS].numpy(),
+                mini_batch_prompts=mini_prompts,
+                dp_size=self.dp_size,
+                seed=seed,
+            )
+            batch = batch.select_idxs(torch.as_tensor(order))
         td = left_right_2_no_padding(batch.to_tensordict())
         tu.assign_non_tensor(
             td,
@@ -147,14 +173,23 @@ class AgentRuntime:
             global_batch_size=mini_rows,
             mini_batch_size=mini_rows,
             epochs=int(actor.ppo_epochs),
-            seed=int(actor.get("data_loader_seed", 42) or 42),
+            seed=seed,
             dataloader_kwargs={"shuffle": bool(actor.shuffle)},
             compute_loss=True,
             distillation_use_topk=False,
             distillation_only=False,
         )
         output = self.wg.update_actor(td)
-        return _mean_metrics(tu.get(output, "metrics"))
+        metrics = _mean_metrics(tu.get(output, "metrics"))
+        self.last_update_record = self.wg.hacpo_update_record()
+        metrics.update(_record_metrics(self.last_update_record))
+        return metrics
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks of the actor (workers / Ulysses sequence-parallel size)."""
+        sp = int(self.config.actor_rollout_ref.actor.get("ulysses_sequence_parallel_size", 1) or 1)
+        return max(1, self.wg.world_size // sp)
 
     def sync_weights(self, step: int) -> None:
         """Push the weights trained up to `step` to this agent's rollout servers."""
@@ -180,6 +215,22 @@ class AgentRuntime:
     def load(self, path: str, step: int) -> None:
         self.wg.load_checkpoint(os.path.join(path, "actor"), None, False)
         self.weights_version = step
+
+
+def _record_metrics(record: list[list[dict]]) -> dict[str, float]:
+    """Step summary of the workers' per-mini-batch records (rank-major lists of dicts)."""
+    entries = [e for rank in record for e in rank]
+    if not entries:
+        return {}
+    out = {
+        "hacpo/updates": float(len(record[0])),
+        "hacpo/min_own_rows": float(min(e["own_rows"] for e in entries)),
+        "hacpo/min_cross_rows": float(min(e["cross_rows"] for e in entries)),
+    }
+    bounds = [e["lower_bound"] for e in record[0] if e["lower_bound"] is not None]
+    if bounds:
+        out["hacpo/lower_bound"] = float(np.mean(bounds))
+    return out
 
 
 def _mean_metrics(metrics: dict) -> dict[str, float]:

@@ -105,6 +105,7 @@ def agent_specs(cfg: DictConfig) -> list[AgentSpec]:
     if agents is None or len(agents) == 0:
         raise ConfigError("agents: empty; list at least one agent with name and model_path")
     specs = []
+    every_n = cfg.get("agents_rollout_n")
     for i, a in enumerate(agents):
         where = f"agents[{i}]"
         for key in ("name", "model_path"):
@@ -116,7 +117,7 @@ def agent_specs(cfg: DictConfig) -> list[AgentSpec]:
                 index=i,
                 name=str(a.name),
                 model_path=normalize_model_path(str(a.model_path)),
-                rollout_n=int(a.get("rollout_n", 8)),
+                rollout_n=int(every_n if every_n is not None else a.get("rollout_n", 8)),
                 n_gpus_per_node=int(a.get("n_gpus_per_node", 0)),
                 nnodes=int(a.get("nnodes", 1)),
                 overrides=OmegaConf.to_container(overrides, resolve=True) if OmegaConf.is_config(overrides) else dict(overrides),
@@ -190,6 +191,8 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
         )
 
     _validate_batches(cfg, specs)
+    if hacpo.shares:
+        _validate_mixed_mini_batches(cfg, specs)
     _validate_pools(cfg, specs)
     _validate_gpu_memory(cfg, specs)
     return specs, hacpo
@@ -289,6 +292,26 @@ def _validate_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
                     f"agents[{s.index}] ({s.name}): actor_rollout_ref.{key}={micro} does not divide the {rows} "
                     f"{what}; pick a divisor of {rows}"
                 )
+
+
+def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
+    """Spec §5: every mini-batch, on every data-parallel rank, holds whole prompt groups with
+    own and cross rows (see recipe_hacpo.minibatch); verl's row shuffle would break the groups."""
+    for s in specs:
+        actor = _agent_section(cfg, s, "actor")
+        if actor.get("shuffle", False):
+            raise ConfigError(
+                f"agents[{s.index}] ({s.name}): actor_rollout_ref.actor.shuffle=true breaks the prompt groups of "
+                "HACPO's mini-batches (own and cross rows together); set it to false"
+            )
+        world = max(1, s.n_gpus_per_node * s.nnodes) if not s.uses_shared_pool else _shared_world(cfg)
+        dp = max(1, world // int(actor.get("ulysses_sequence_parallel_size", 1) or 1))
+        mini = int(actor.ppo_mini_batch_size)
+        if mini % dp != 0:
+            raise ConfigError(
+                f"agents[{s.index}] ({s.name}): actor_rollout_ref.actor.ppo_mini_batch_size={mini} prompts do not "
+                f"split into whole prompt groups over its {dp} data-parallel ranks; use a multiple of {dp}"
+            )
 
 
 def _rows_per_prompt(specs: list[AgentSpec], learner: AgentSpec, cfg: DictConfig) -> int:

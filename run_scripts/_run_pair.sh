@@ -7,6 +7,8 @@
 #   PRESET                        config name [pair_$PAIR]; pair_${PAIR}_4gpu where one exists: 4 GPUs
 #   PLACEMENT                     preset: the preset's pools | shared: both agents on one shared
 #                                 pool of trainer.n_gpus_per_node x trainer.nnodes GPUs, taking turns
+#   BASELINE                      the method [the preset's: hacpo]: hacpo | naive | gspo | gspo2x | grpo
+#                                 (configs/baseline/; the same as passing +baseline=NAME)
 # Extra arguments of the pair script are Hydra overrides.
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -31,7 +33,18 @@ case $PLACEMENT in
         exit 2 ;;
 esac
 
+method=()
+if [[ -n ${BASELINE:-} ]]; then
+    # its own run name and checkpoint folder, so a baseline never resumes the HACPO run
+    method=(
+        "+baseline=$BASELINE"
+        "trainer.experiment_name=${PAIR}_$BASELINE"
+        "trainer.default_local_dir=$HACPO_OUTPUT_DIR/${PAIR}_$BASELINE/checkpoints"
+    )
+fi
+
 exec python -m recipe_hacpo.main --config-name "$PRESET" \
     hydra.run.dir="$HACPO_OUTPUT_DIR/$PAIR/hydra/$(date +%Y%m%d-%H%M%S)" \
     ${placement[@]+"${placement[@]}"} \
+    ${method[@]+"${method[@]}"} \
     "$@"

@@ -149,8 +149,10 @@ def test_learner_batch_holds_own_and_retokenized_peer_rows(hacpo_run, warm_agent
                 ids = ids[:-1]
             full = tok.encode(b.non_tensor_batch[K.RESPONSE_TEXT][i], add_special_tokens=False)
             assert ids == (full[: len(ids)] if cut else full), i
-        # ω on cross rows is ω^(src,k) (spec §3) and 1 on own rows
+        # ω on cross rows is ω^(src,k) = clamp(P̂_src / P̂_k) (spec §3) and 1 on own rows
         assert torch.all(b.batch[K.OMEGA][~cross] == 1.0)
+        expected_omega = (caps[src[cross]] / caps[k]).clamp(*tracker["omega_clip"]).float()
+        assert torch.allclose(b.batch[K.OMEGA][cross], expected_omega, rtol=1e-6)
 
 
 def test_resume_continues_from_checkpoint(hacpo_run, warm_agent_paths):

@@ -369,3 +369,11 @@ def test_a_failing_checkpoint_process_is_one_line(tmp_path, tiny_agent_paths):
     with pytest.raises(ev.EvalError, match=r"^checkpoint broken: \w+") as err:
         ev.evaluate([("broken", str(broken))], [bench], str(tmp_path / "out"), opts, log=lambda m: None, gpus="0", isolate=True)
     assert "\n" not in str(err.value)
+
+
+def test_main_table_defaults_to_the_papers_generation_limit(capsys):
+    # the paper's main tables: at most 8196 new tokens per response
+    assert ev.GenOptions().max_new_tokens == 8196
+    with pytest.raises(SystemExit):
+        ev.main(["--help"])
+    assert "default 8196" in " ".join(capsys.readouterr().out.split())

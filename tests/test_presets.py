@@ -84,7 +84,7 @@ def test_preset_composes_and_validates_on_8_gpus(preset):
     assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.max_response_length) == (128, 1024, 4096)
     assert cfg.data.train_files == "data/paper/math_train.parquet"
     actor = cfg.actor_rollout_ref.actor
-    assert actor.ppo_mini_batch_size == 64 and actor.optim.lr == 1e-6
+    assert actor.ppo_mini_batch_size == 32 and actor.optim.lr == 1e-6
     assert (actor.policy_loss.loss_mode, actor.loss_agg_mode) == ("gspo", "seq-mean-token-mean")
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (3e-4, 4e-4)
     rollout = cfg.actor_rollout_ref.rollout
@@ -144,7 +144,7 @@ def test_placement_variants_validate(overrides, gpus):
     [
         (["++ray_kwargs.ray_init.num_gpus=4"], r"pools need 8 GPUs .* but the cluster has 4"),
         (GPUS_8 + ["actor_rollout_ref.actor.ppo_mini_batch_size=48"], r"data\.train_batch_size=128 is not divisible by .*ppo_mini_batch_size=48"),
-        (GPUS_8 + ["agents.1.n_gpus_per_node=3"], r"agents\[1\] \(qwen3_4b_instruct\): a mini-batch of 1024 rows .* does not split over its 3 GPUs"),
+        (GPUS_8 + ["agents.1.n_gpus_per_node=3"], r"agents\[1\] \(qwen3_4b_instruct\): a mini-batch of 512 rows .* does not split over its 3 GPUs"),
         (GPUS_8 + ["agents.1.model_path="], r"agents\[1\]\.model_path: missing"),
     ],
 )
@@ -168,3 +168,42 @@ def test_cfg_job_through_the_entry_point():
     assert "model_path: Qwen/Qwen3-4B-Base" in out and "model_path: /models/llama-3b" in out
     assert "train_files: data/paper/math_train.parquet" in out
     assert "loss_mode: gspo" in out and "delta_step: 0.025" in out
+
+
+# method -> (mode, loss_mode, clip low/high, samples per prompt and agent, rollouts per update,
+# updates per 128-prompt step), HACPO_SPEC §5 and §8: every method trains on 512 rollouts an update
+METHODS = {
+    None: ("hacpo", "gspo", (3e-4, 4e-4), 8, 512, 4),  # the preset as it is
+    "hacpo": ("hacpo", "gspo", (3e-4, 4e-4), 8, 512, 4),
+    "naive": ("naive", "gspo", (3e-4, 4e-4), 8, 512, 4),
+    "gspo": ("isolated", "gspo", (3e-4, 4e-4), 8, 512, 2),
+    "gspo2x": ("isolated", "gspo", (3e-4, 4e-4), 16, 512, 4),
+    "grpo": ("isolated", "vanilla", (0.2, 0.28), 8, 512, 2),
+}
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_method_makes_the_papers_updates(preset, method):
+    mode, loss_mode, clip, n, rows_per_update, updates = METHODS[method]
+    cfg = _compose(preset, GPUS_8 + ([f"+baseline={method}"] if method else []))
+    specs, hacpo = validate(cfg, check_paths=False)
+    assert hacpo.mode == mode
+    # the per-pair α / δ / δ_step of the preset survive the method switch
+    alpha, lower, delta_step, *_ = PAPER[_pair(preset)]
+    assert (hacpo.alpha, hacpo.delta_step) == (alpha, delta_step) and 1 - hacpo.delta == pytest.approx(lower)
+    for spec in specs:
+        actor = agent_verl_config(cfg, spec).actor_rollout_ref.actor
+        assert actor.policy_loss.loss_mode == loss_mode
+        assert (actor.clip_ratio_low, actor.clip_ratio_high) == clip
+        assert spec.rollout_n == n
+        rows_per_prompt = sum(s.rollout_n for s in specs) if hacpo.shares else spec.rollout_n
+        assert actor.ppo_mini_batch_size * rows_per_prompt == rows_per_update
+        assert cfg.data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs == updates
+
+
+def test_baseline_group_ships_with_the_package():
+    text = (REPO / "pyproject.toml").read_text()
+    assert '"baseline/*.yaml"' in text
+    shipped = {p.stem for p in (CONFIGS / "baseline").glob("*.yaml")}
+    assert shipped == {m for m in METHODS if m}

@@ -15,6 +15,7 @@ micro-batch TensorDict:
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 from tensordict import TensorDict
@@ -47,11 +48,20 @@ class HacpoLossConfig:
         return asdict(self)
 
 
-def hacpo_actor_loss(actor_config, hacpo: HacpoLossConfig, model_output, data: TensorDict, dp_group=None):
+def hacpo_actor_loss(
+    actor_config,
+    hacpo: HacpoLossConfig,
+    model_output,
+    data: TensorDict,
+    dp_group=None,
+    record: Callable[..., None] | None = None,
+):
     """Loss of one micro-batch for verl's FSDP engine: HACPO policy term (+ entropy, + KL).
 
     Aggregated with verl's `agg_loss` and the global batch info verl attaches, so gradient
     accumulation over micro-batches and data-parallel ranks gives the mini-batch mean.
+    `record(update_index=, lower_bound=, own_rows=, cross_rows=)`, when given, receives what
+    this micro-batch's loss used (the worker keeps it per mini-batch, see hacpo_worker).
     """
     from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
     from verl.utils import tensordict_utils as tu
@@ -72,7 +82,13 @@ def hacpo_actor_loss(actor_config, hacpo: HacpoLossConfig, model_output, data: T
     # partial micro-batch losses add up to the mini-batch mean, so their metric is a SUM
     summed = batch_info["dp_size"] > 1 or batch_info["global_batch_size"] is not None
     aggregation = AggregationType.SUM if summed else AggregationType.MEAN
-    update_index = int(tu.get_non_tensor_data(data=data, key=K.UPDATE_INDEX, default=0))
+    update_index = tu.get_non_tensor_data(data=data, key=K.UPDATE_INDEX, default=None)
+    if update_index is None:
+        # without m the stepwise bound would silently stay at 1 − δ (spec §5)
+        raise RuntimeError(
+            f"HACPO loss: the micro-batch carries no {K.UPDATE_INDEX}; the actor must be HacpoTrainingWorker"
+        )
+    update_index = int(update_index)
 
     fields = ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN]
     if hacpo.cross_ratio_length == "source":
@@ -100,6 +116,14 @@ def hacpo_actor_loss(actor_config, hacpo: HacpoLossConfig, model_output, data: T
         cross_ratio_length=hacpo.cross_ratio_length,
         source_response_length=padded.get(K.SOURCE_RESPONSE_LENGTH, None),
     )
+    if record is not None:
+        is_cross = padded[K.IS_CROSS].bool()
+        record(
+            update_index=update_index,
+            lower_bound=float(pg_metrics["hacpo/lower_bound"]),
+            own_rows=int((~is_cross).sum()),
+            cross_rows=int(is_cross.sum()),
+        )
     # HACPO is defined with seq-mean-token-mean (spec §6) whatever actor.loss_agg_mode says.
     pg_loss = agg_loss(loss_mat, response_mask, "seq-mean-token-mean", **batch_info)
     metrics = Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN)

@@ -1,9 +1,12 @@
 """HACPO's verl worker role: verl's engine `ActorRolloutRefWorker` trained with the HACPO loss.
 
 Two differences from verl's worker, both by subclassing:
-- the actor's loss function is `hacpo_actor_loss` (own GSPO rows + reweighted cross rows);
+- in the sharing modes (hacpo, naive) the actor's loss function is `hacpo_actor_loss` (own
+  GSPO rows + reweighted cross rows); in isolated mode verl's own loss stays installed, so
+  `actor.policy_loss.loss_mode` selects verl's gspo or vanilla (GRPO) loss as in verl;
 - the inner training worker numbers the optimizer updates of a training step, so the loss
-  knows m of spec §5 (stepwise clipping) for every mini-batch, across ppo epochs.
+  knows m of spec §5 (stepwise clipping) for every mini-batch, across ppo epochs, and keeps a
+  record per mini-batch of m, the lower bound the loss used and its own / cross row counts.
 Everything else (FSDP engine, old/ref log-probs, checkpoints, weight sync to the rollout
 engine) is verl's own.
 """
@@ -24,34 +27,89 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 
 class HacpoTrainingWorker(TrainingWorker):
-    """verl's TrainingWorker that tags each mini-batch with its update index m."""
+    """verl's TrainingWorker that tags each mini-batch with its update index m.
+
+    verl 0.9.1 calls `train_batch` once per mini-batch from `train_mini_batch`; the count is
+    checked after every step, so a verl that stops doing so fails loudly instead of leaving
+    m at one value (stepwise clipping would silently become fixed).
+    """
 
     _update_index = 0
 
     def train_mini_batch(self, data: TensorDict) -> TensorDict:
+        expected = _expected_updates(data, self.engine.get_data_parallel_size())
         self._update_index = 0  # m restarts with every training step
-        return super().train_mini_batch(data)
+        self.update_record: list[dict] = []
+        output = super().train_mini_batch(data)
+        if self._update_index != expected:
+            raise RuntimeError(
+                f"HACPO: verl ran train_batch {self._update_index} times for {expected} mini-batches; "
+                "the update index m of spec §5 relies on one call per mini-batch (verl's TrainingWorker changed)"
+            )
+        return output
 
     def train_batch(self, data: TensorDict) -> TensorDict:
         tu.assign_non_tensor(data, **{K.UPDATE_INDEX: self._update_index})
+        self._micro_records: list[dict] = []
         output = super().train_batch(data)
+        self.update_record.append(self._mini_batch_record(data))
         self._update_index += 1
         return output
 
+    def record_micro_batch(self, **entry) -> None:
+        """Called by the HACPO loss with what one micro-batch's loss used."""
+        self._micro_records.append(entry)
+
+    def _mini_batch_record(self, data: TensorDict) -> dict:
+        """m, the loss's lower bound (None under verl's own loss) and this rank's row counts."""
+        cross = data[K.IS_CROSS].bool() if K.IS_CROSS in data.keys() else None
+        record = {
+            "update_index": self._update_index,
+            "own_rows": int((~cross).sum()) if cross is not None else int(data.batch_size[0]),
+            "cross_rows": int(cross.sum()) if cross is not None else 0,
+            "lower_bound": None,
+        }
+        if self._micro_records:
+            bounds = {r["lower_bound"] for r in self._micro_records}
+            steps = {r["update_index"] for r in self._micro_records}
+            if len(bounds) != 1 or steps != {self._update_index}:
+                raise RuntimeError(f"HACPO: micro-batches of one mini-batch used bounds {bounds} at m {steps}")
+            record["lower_bound"] = bounds.pop()
+            record["loss_rows"] = sum(r["own_rows"] + r["cross_rows"] for r in self._micro_records)
+        return record
+
+
+def _expected_updates(data: TensorDict, dp_size: int) -> int:
+    """Mini-batches × epochs verl's `train_mini_batch` will run on this rank's rows."""
+    rows = data.shape[0]
+    mini = tu.get_non_tensor_data(data=data, key="mini_batch_size", default=None)
+    num_mini = tu.get_non_tensor_data(data=data, key="num_mini_batch", default=None)
+    epochs = int(tu.get_non_tensor_data(data=data, key="epochs", default=1))
+    per_rank = int(mini) // dp_size if mini is not None else rows // int(num_mini)
+    return rows // per_rank * epochs
+
 
 class HacpoActorRolloutRefWorker(ActorRolloutRefWorker):
-    """Per-agent actor/rollout(/ref) worker whose actor trains with the HACPO loss."""
+    """Per-agent actor/rollout(/ref) worker; its actor trains with the HACPO loss when sharing."""
 
     actor_worker_cls = HacpoTrainingWorker
 
     def __init__(self, config: DictConfig, role: str, hacpo_loss: dict | None = None, **kwargs):
         super().__init__(config, role, **kwargs)
-        self.hacpo_loss = HacpoLossConfig(**(hacpo_loss or {}))
+        # None: isolated mode, verl's own loss (actor.policy_loss.loss_mode) stays installed
+        self.hacpo_loss = HacpoLossConfig(**hacpo_loss) if hacpo_loss is not None else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
         super().init_model()
-        if self._is_actor:
+        if self._is_actor and self.hacpo_loss is not None:
             actor_config = omega_conf_to_dataclass(self.config.actor)
-            self.loss_fn = partial(hacpo_actor_loss, actor_config, self.hacpo_loss)
+            self.loss_fn = partial(
+                hacpo_actor_loss, actor_config, self.hacpo_loss, record=self.actor.record_micro_batch
+            )
             self.actor.set_loss_fn(self.loss_fn)
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def hacpo_update_record(self) -> list[dict]:
+        """This rank's record of the last training step, one dict per mini-batch (see above)."""
+        return list(getattr(self.actor, "update_record", []))
