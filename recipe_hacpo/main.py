@@ -51,6 +51,8 @@ def start_ray(cfg: DictConfig) -> None:
     env_vars = dict(runtime_env.get("env_vars", {}))
     # workers must import this package's verl plugins exactly as the driver does
     env_vars.setdefault("HACPO_DEVICE", str(cfg.trainer.device))
+    if os.environ.get("HACPO_VERBOSE"):
+        env_vars.setdefault("HACPO_VERBOSE", os.environ["HACPO_VERBOSE"])  # recipe_hacpo.quiet
     runtime_env["env_vars"] = {k: str(v) for k, v in env_vars.items()}
     init = OmegaConf.to_container(cfg.ray_kwargs.ray_init, resolve=True)
     init["runtime_env"] = OmegaConf.to_container(runtime_env, resolve=True)
@@ -121,6 +123,7 @@ def run(cfg: DictConfig) -> dict:
 
     from recipe_hacpo.trainer import HacpoTrainer
 
+    verbose = _apply_verbosity(cfg)
     specs, hacpo = prepare(cfg)
     # the dataset keeps raw chat messages; each agent renders them with its own template
     tokenizer = hf_tokenizer(specs[0].model_path)
@@ -131,10 +134,32 @@ def run(cfg: DictConfig) -> dict:
     logger = Tracking(
         project_name=cfg.trainer.project_name,
         experiment_name=cfg.trainer.experiment_name,
-        default_backend=cfg.trainer.logger,
+        default_backend=logger_backends(cfg, verbose),
         config=OmegaConf.to_container(cfg, resolve=True),
     )
-    return trainer.fit(logger, progress=bool(cfg.trainer.get("progress_bar", True)))
+    return trainer.fit(logger, progress=bool(cfg.trainer.get("progress_bar", True)),
+                       summary_every=int(cfg.trainer.get("summary_every", 0) or 0))
+
+
+def _apply_verbosity(cfg: DictConfig) -> bool:
+    """`trainer.verbose=true` or HACPO_VERBOSE=1: keep every third-party message, here and in
+    every Ray worker (they inherit the environment variable)."""
+    from recipe_hacpo import quiet
+
+    if bool(cfg.trainer.get("verbose", False)) or quiet.is_verbose():
+        quiet.release()
+        return True
+    quiet.install()
+    return False
+
+
+def logger_backends(cfg: DictConfig, verbose: bool) -> list[str]:
+    """verl tracking backends. Quiet runs replace the console's full metrics line per step by
+    the trainer's short per-agent lines; every other backend keeps every metric."""
+    backends = _as_list(cfg.trainer.logger)
+    if not verbose and int(cfg.trainer.get("summary_every", 0) or 0) > 0:
+        backends = [b for b in backends if b != "console"]
+    return backends
 
 
 @hydra.main(config_path="pkg://recipe_hacpo.configs", config_name="hacpo_trainer", version_base=None)

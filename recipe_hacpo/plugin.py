@@ -24,6 +24,8 @@ from __future__ import annotations
 import logging
 import os
 
+import recipe_hacpo.quiet  # noqa: F401,E402  (silences known third-party messages; HACPO_VERBOSE=1 keeps them)
+
 logger = logging.getLogger(__name__)
 
 _OPT_OUT = {"0", "false", "off", "no"}

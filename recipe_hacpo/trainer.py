@@ -406,13 +406,21 @@ class HacpoTrainer:
         return True
 
     # ================================================================== the loop
-    def fit(self, logger, progress: bool = True) -> dict[str, float]:
+    def fit(self, logger, progress: bool = True, summary_every: int = 0) -> dict[str, float]:
+        """Validate, train `total_steps` steps, validate/save on their schedule; returns the last
+        step's metrics. Every metric goes to `logger`; with `summary_every` > 0, one short line
+        per agent is written under the progress bar every that many steps and at the last."""
         from tqdm import tqdm
 
         t = self.config.trainer
         resumed = self.load_checkpoint()
+        latest: dict[str, float] = {}  # newest value of every metric, validation included
         if t.get("val_before_train", True) and not resumed:
-            logger.log(data=self.validate(), step=self.global_step)
+            val = self.validate()
+            latest.update(val)
+            logger.log(data=val, step=self.global_step)
+            if summary_every > 0:
+                tqdm.write(summary_lines(latest, self.global_step, self.total_steps))
         last: dict[str, float] = {}
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="HACPO", disable=not progress)
         while self.global_step < self.total_steps:
@@ -432,12 +440,40 @@ class HacpoTrainer:
                 self._announce("step_done")
                 logger.log(data=metrics, step=self.global_step)
                 last = metrics
+                latest.update(metrics)
                 bar.update(1)
+                if summary_every > 0 and (self.global_step % summary_every == 0 or done):
+                    bar.write(summary_lines(latest, self.global_step, self.total_steps))
                 if done:
                     break
         bar.close()
         self.verifier.close()
         return last
+
+
+def summary_lines(metrics: dict[str, float], step: int, total: int) -> str:
+    """One short line per agent from `agent/<name>/...` metrics: on-policy reward, the newest
+    held-out accuracy (mean over validation sources), ω of each peer, cross rows used."""
+    agents: dict[str, dict[str, float]] = {}
+    for key, value in metrics.items():
+        parts = key.split("/", 2)
+        if len(parts) == 3 and parts[0] == "agent":
+            agents.setdefault(parts[1], {})[parts[2]] = value
+    lines = []
+    for name, m in agents.items():
+        fields = []
+        if "reward/mean" in m:
+            fields.append(f"reward {m['reward/mean']:.3f}")
+        val = [v for k, v in m.items() if k.startswith("val/") and "/mean@" in k]
+        if val:
+            fields.append(f"val acc {100 * float(np.mean(val)):.1f}%")
+        omegas = [f"{k.split('/', 1)[1]} {v:.2f}" for k, v in m.items() if k.startswith("omega/")]
+        if omegas:
+            fields.append("ω " + ", ".join(omegas))
+        if "cross/rows" in m:
+            fields.append(f"cross rows {int(m['cross/rows'])}")
+        lines.append(f"step {step}/{total} {name}: " + "  ".join(fields))
+    return "\n".join(lines)
 
 
 def _tag(batch: DataProto, *, source: int, cross: bool, omega: float) -> DataProto:

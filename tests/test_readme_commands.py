@@ -1,0 +1,143 @@
+"""The README's commands are the ones CI runs: `make test` / `make demo` / `make test-quick` in
+a copy of the working tree, the install step run against a stand-in Python that logs what it is
+asked to do, and the quick tier run for real through the Makefile with the existing environment."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+README = (REPO / "README.md").read_text()
+
+pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+# Stands in for `python3` and, once `-m venv` has run, for `.venv/bin/python`: appends its argv
+# to $FAKE_LOG, answers the version check like a 3.11 interpreter, and fails `pip check` when
+# $FAKE_PIP_CHECK_FAILS is set.
+FAKE_PYTHON = r"""#!/usr/bin/env bash
+printf '%s\n' "$*" >> "$FAKE_LOG"
+if [[ ${1:-} == -m && ${2:-} == venv ]]; then
+    mkdir -p "$3/bin"
+    cp "$0" "$3/bin/python"
+    exit 0
+fi
+if [[ ${1:-} == -m && ${2:-} == pip && ${3:-} == check && -n ${FAKE_PIP_CHECK_FAILS:-} ]]; then
+    echo "somepkg 1.0 has requirement other<2, but you have other 2.0." >&2
+    exit 1
+fi
+exit 0
+"""
+
+
+def _copy_tree(dst: Path) -> Path:
+    """A fresh clone of the working tree: tracked and untracked-but-not-ignored files, no .venv."""
+    files = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"], cwd=REPO,
+                           check=True, capture_output=True).stdout.decode().split("\0")
+    for rel in filter(None, files):
+        src = REPO / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+    return dst
+
+
+@pytest.fixture()
+def clone(tmp_path) -> Path:
+    return _copy_tree(tmp_path / "clone")
+
+
+def _make(clone: Path, *args: str, env: dict | None = None, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "--no-print-directory", *args], cwd=clone, capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, check=check, timeout=600)
+
+
+def _fake_python(tmp_path: Path) -> tuple[Path, Path]:
+    fake = tmp_path / "fakepython"
+    fake.write_text(FAKE_PYTHON)
+    fake.chmod(0o755)
+    return fake, tmp_path / "fake.log"
+
+
+def test_readme_names_the_make_targets_and_ci_runs_make_test():
+    for cmd in ("make demo", "make test", "make test-quick"):
+        assert cmd in README, f"README.md does not mention `{cmd}`"
+    ci = (REPO / ".ci" / "run").read_text()
+    assert re.search(r"^\s*make test\s*$", ci, re.M), ".ci/run must run `make test`"
+    assert "pip install" not in ci, ".ci/run must not install by itself (make test does)"
+    assert "../shared" not in README and "/work/shared" not in README
+
+
+def test_fresh_clone_installs_cpu_torch_first_then_every_extra_the_tests_need(clone, tmp_path):
+    assert not (clone / ".venv").exists()
+    fake, log = _fake_python(tmp_path)
+    env = {"FAKE_LOG": str(log)}
+    _make(clone, "venv", f"PYTHON={fake}", env=env)
+    calls = log.read_text().splitlines()
+    installs = [c for c in calls if c.startswith("-m pip install")]
+    torch_i = next(i for i, c in enumerate(installs) if "torch==" in c)
+    proj_i = next(i for i, c in enumerate(installs) if "-e .[" in c)
+    assert torch_i < proj_i, f"CPU torch must be installed before the project: {installs}"
+    extras = set(re.search(r"-e \.\[([^\]]*)\]", installs[proj_i]).group(1).split(","))
+    # the tests import matplotlib (benchmark smoke test): the bench extra must come with test
+    assert {"test", "bench"} <= extras, extras
+    assert "-m pip check" in calls, "pip check must run"
+    assert (clone / ".venv" / ".installed").exists()
+
+    # second run: the environment is reused, nothing is installed again
+    log.write_text("")
+    _make(clone, "venv", f"PYTHON={fake}", env=env)
+    assert log.read_text() == ""
+
+    # pyproject.toml changed: the install runs again, into the same venv (no second `-m venv`)
+    time.sleep(1.1)
+    (clone / "pyproject.toml").touch()
+    _make(clone, "venv", f"PYTHON={fake}", env=env)
+    calls = log.read_text().splitlines()
+    assert any("-e .[" in c for c in calls) and not any(c.startswith("-m venv") for c in calls)
+
+
+def test_a_pip_check_conflict_fails_the_install_and_leaves_no_stamp(clone, tmp_path):
+    fake, log = _fake_python(tmp_path)
+    r = _make(clone, "venv", f"PYTHON={fake}", env={"FAKE_LOG": str(log), "FAKE_PIP_CHECK_FAILS": "1"},
+              check=False)
+    assert r.returncode != 0
+    assert "has requirement" in r.stderr
+    assert not (clone / ".venv" / ".installed").exists()
+
+
+def test_the_targets_run_what_the_readme_says(clone):
+    (clone / ".venv" / "bin").mkdir(parents=True)
+    (clone / ".venv" / ".installed").touch()
+    assert _make(clone, "-n", "test").stdout.strip() == ".venv/bin/python -m pytest -q -p no:cacheprovider"
+    quick = _make(clone, "-n", "test-quick").stdout
+    assert '-m "not ray and not e2e"' in quick
+    demo = _make(clone, "-n", "demo").stdout
+    assert "run_scripts/cpu_demo.sh" in demo and "pip install" not in demo
+
+
+def test_old_python_is_refused_with_one_line(clone, tmp_path):
+    old = tmp_path / "oldpython"
+    old.write_text("#!/usr/bin/env bash\nexec %s -c 'import sys; sys.exit(\"recipe_hacpo needs Python 3.10+, "
+                   "x is 3.9\")'\n" % sys.executable)
+    old.chmod(0o755)
+    r = _make(clone, "venv", f"PYTHON={old}", check=False)
+    assert r.returncode != 0 and "needs Python 3.10+" in r.stderr
+    assert not (clone / ".venv").exists()
+
+
+def test_quick_tier_runs_through_the_makefile_with_the_existing_environment(clone):
+    """`make test-quick` in the clone, against this session's environment (install skipped)."""
+    venv = Path(sys.prefix)
+    stamp = venv / ".installed"
+    r = _make(clone, f"VENV={venv}", "-o", str(stamp), "test-quick",
+              "PYTEST_FLAGS=-q -p no:cacheprovider tests/test_core_algos.py -k lower_bound", check=False)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert re.search(r"\d+ passed", r.stdout), r.stdout[-2000:]
