@@ -75,9 +75,18 @@ class AgentRuntime:
             config=self.config, worker_group=self.wg, rollout_resource_pool=self.pool
         )
         # rewards are computed by the trainer with each agent's own tokenizer (scoring.py)
-        self.agent_loop = AgentLoopManager.create(
-            config=self.config, llm_client=self.llm_servers.get_client(), reward_loop_worker_handles=None
-        )
+        if self.config.actor_rollout_ref.rollout.name == "hf":
+            # batches a whole single-turn rollout per server call (`rollout.agent.default_agent_loop`)
+            from recipe_hacpo.workers.hf_agent_loop import HFAgentLoopManager
+
+            self.agent_loop = HFAgentLoopManager.create(
+                config=self.config, llm_client=self.llm_servers.get_client(), reward_loop_worker_handles=None
+            )
+            self.agent_loop.attach_servers([s for r in self.llm_servers.get_replicas() for s in r.servers])
+        else:
+            self.agent_loop = AgentLoopManager.create(
+                config=self.config, llm_client=self.llm_servers.get_client(), reward_loop_worker_handles=None
+            )
         self.checkpoint_manager = CheckpointEngineManager(
             config=omega_conf_to_dataclass(self.config.actor_rollout_ref.rollout.checkpoint_engine),
             actor_wg=self.wg,
