@@ -59,6 +59,7 @@ import csv
 import dataclasses
 import gc
 import glob
+import importlib
 import importlib.util
 import json
 import math
@@ -726,6 +727,8 @@ def _run_isolated(jobs, groups, shared, done, log) -> None:
     import queue as queue_mod
 
     ctx = mp.get_context("spawn")
+    # by reference to the importable module, also when this file runs as `python -m` (__main__)
+    target = importlib.import_module("recipe_hacpo.evaluate")._checkpoint_process
     results = ctx.Queue()
     pending, free = list(jobs), list(groups)
     running: dict[str, tuple] = {}
@@ -738,7 +741,7 @@ def _run_isolated(jobs, groups, shared, done, log) -> None:
                     os.environ["CUDA_VISIBLE_DEVICES"] = group
                     log(f"[{name}] on GPU(s) {group}")
                 try:
-                    proc = ctx.Process(target=_checkpoint_process, args=(name, model_dir, shared, results), daemon=False)
+                    proc = ctx.Process(target=target, args=(name, model_dir, shared, results), daemon=False)
                     proc.start()
                 finally:
                     if saved is None:
@@ -912,6 +915,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tensor-parallel-size", type=int, default=1, help="vllm")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.85, help="vllm")
     parser.add_argument(
+        "--isolate", action=argparse.BooleanOptionalAction, default=None,
+        help="evaluate every checkpoint in its own process (default: yes with vllm, no with hf)",
+    )
+    parser.add_argument(
         "--gpus", metavar="IDS",
         help="vllm: GPU ids to spread checkpoints over, e.g. 0,1,2,3: one checkpoint per group of "
         "--tensor-parallel-size GPUs at a time, each in its own process (default: every visible GPU)",
@@ -959,7 +966,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             chat_template_kwargs=tuple(template_kwargs.items()),
         )
-        results = evaluate(checkpoints, benchmarks, args.out, opts, limit=args.limit, gpus=args.gpus)
+        results = evaluate(checkpoints, benchmarks, args.out, opts, limit=args.limit, gpus=args.gpus, isolate=args.isolate)
     except EvalError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

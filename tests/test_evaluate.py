@@ -377,3 +377,22 @@ def test_main_table_defaults_to_the_papers_generation_limit(capsys):
     with pytest.raises(SystemExit):
         ev.main(["--help"])
     assert "default 8196" in " ".join(capsys.readouterr().out.split())
+
+
+def test_isolated_checkpoints_from_the_command_line(tmp_path, tiny_agent_paths):
+    """`python -m recipe_hacpo.evaluate` is `__main__`: its per-checkpoint processes must still start."""
+    import subprocess
+    import sys
+
+    bench = _bench(tmp_path, "gsm8k")
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe_hacpo.evaluate", "--checkpoint", f"a={tiny_agent_paths['qwen2-char-small']}",
+         "--checkpoint", f"b={tiny_agent_paths['llama-pair-medium']}", "--bench", f"GSM8K={bench}",
+         "--backend", "hf", "--device", "cpu", "--max-new-tokens", "2", "--isolate", "--gpus", "0,1", "--out", str(out)],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[a] on GPU(s) 0" in proc.stdout and "[b] on GPU(s) 1" in proc.stdout
+    assert set(json.loads((out / "metrics.json").read_text())) == {"a", "b"}
+    assert (out / "table.md").read_text().splitlines()[2].startswith("| a | ")

@@ -233,3 +233,17 @@ def test_hub_ids_in_the_local_cache_are_planned_without_download(tmp_path, monke
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
     with pytest.raises(ConfigError, match=r"0\.42\+0\.42 = 0\.84 of each GPU"):
         validate(_compose("pair_qwen3-4b-base_qwen3-8b-base", shared), check_paths=False)
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in SHAPES.iterdir()))
+def test_parameter_count_matches_transformers_own_model(name):
+    """The formula against the model transformers builds from the same config.json (meta device: no memory)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(SHAPES / name))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    actual = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
+    # only Qwen3's per-head q/k norms (2 · head_dim per layer) are left out
+    assert abs(_shape(name).num_params() - actual) / actual < 1e-5

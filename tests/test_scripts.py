@@ -100,7 +100,7 @@ def standins(tmp_path):
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("SLURM_", "HACPO_", "RAY_", "HF_")) and k not in ("PAIR", "PRESET", "PLACEMENT", "VIRTUAL_ENV")
+        if not k.startswith(("SLURM_", "SLURMD_", "HACPO_", "RAY_", "HF_")) and k not in ("PAIR", "PRESET", "PLACEMENT", "VIRTUAL_ENV")
     }
     env.update(PATH=f"{bin_dir}:{env['PATH']}", STANDIN_LOG=str(log), RAY_START_DELAY="0")
 
@@ -274,6 +274,19 @@ def test_slurm_head_address_is_routable_or_the_override(standins, route, addrs, 
     assert _opt(head, "--node-ip-address") == expected
     [worker] = [argv for argv, _ in calls if argv[0] == "srun" and "--address" in " ".join(argv)]
     assert _opt(worker, "--address") == (f"[{expected}]:6379" if ":" in expected else f"{expected}:6379")
+
+
+def test_slurm_head_is_the_batch_host(standins):
+    proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02", "gpu03", "gpu04"]), SLURMD_NODENAME="gpu02", PAIR=PAIR)
+    assert proc.returncode == 0, proc.stderr
+    starts = [argv for argv, _ in calls if argv[0] == "srun" and "start" in argv]
+    [head] = [a for a in starts if "--head" in a]
+    assert head[head.index("-w") + 1] == "gpu02"
+    assert sorted(a[a.index("-w") + 1] for a in starts if "--head" not in a) == ["gpu01", "gpu03", "gpu04"]
+
+    proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02"]), SLURMD_NODENAME="login7", PAIR=PAIR)
+    assert proc.returncode == 2 and "the batch host login7 is not in SLURM_JOB_NODELIST" in proc.stderr
+    assert not any(argv[0] == "srun" for argv, _ in calls)
 
 
 def test_slurm_sets_hf_hub_offline_for_local_models(standins, tmp_path):
