@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.ray]
 PROMPTS, OWN, CROSS, MINI = 8, 2, 2, 2  # 8 prompts, mini-batches of 2 prompts → 4 updates
 
 
-def _config(model_path: str, dp: int, mode: str):
+def _config(model_path: str, dp: int, mode: str, extra: tuple[str, ...] = ()):
     from hydra import compose, initialize_config_module
 
     from recipe_hacpo.config import agent_verl_config, validate
@@ -36,6 +36,7 @@ def _config(model_path: str, dp: int, mode: str):
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={MINI * (OWN + CROSS) // dp // 2 or 1}",
         "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
         f"algorithm.hacpo.mode={mode}",
+        *extra,
     ]
     with initialize_config_module("recipe_hacpo.configs", version_base=None):
         cfg = compose("hacpo_cpu_demo", overrides=overrides)
@@ -97,7 +98,7 @@ def _runtime(agent_cfg, spec, hacpo):
     from recipe_hacpo.agent_runtime import AgentRuntime
     from recipe_hacpo.workers.hacpo_worker import HacpoActorRolloutRefWorker
 
-    OmegaConf_update(agent_cfg)
+    _set_total_steps(agent_cfg)
     runtime = AgentRuntime(spec=spec, config=agent_cfg, device_name="cpu")
     runtime.tokenizer = hf_tokenizer(spec.model_path)
     pool = RayResourcePool(process_on_nodes=[spec.n_gpus_per_node], use_gpu=True, max_colocate_count=1,
@@ -111,7 +112,7 @@ def _runtime(agent_cfg, spec, hacpo):
     return runtime
 
 
-def OmegaConf_update(agent_cfg) -> None:
+def _set_total_steps(agent_cfg) -> None:
     from omegaconf import OmegaConf
 
     OmegaConf.update(agent_cfg, "actor_rollout_ref.actor.optim.total_training_steps", 1, force_add=True)
@@ -142,16 +143,59 @@ def test_every_mini_batch_mixes_own_and_cross_rows_and_m_advances(ray_cluster, t
     assert np.isfinite(metrics["actor/pg_loss"])
 
 
-def test_isolated_mode_keeps_verl_loss(ray_cluster, tiny_agent_paths):
-    agent_cfg, spec, hacpo = _config(tiny_agent_paths["qwen2-char-small"], 1, "isolated")
+def _verl_reference(model_path: str, batch, loss_mode: str, agg: str, clip: tuple[float, float]):
+    """verl's own policy loss and its gradient norm on `batch`, computed here without Ray."""
+    from transformers import AutoModelForCausalLM
+    from verl.trainer.ppo.core_algos import get_policy_loss_fn
+    from verl.workers.config import FSDPActorConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32, attn_implementation="sdpa")
+    b = batch.batch
+    plen = b["prompts"].shape[1]
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=b["position_ids"]).logits
+    log_probs = torch.log_softmax(logits[:, plen - 1 : -1].float(), dim=-1)
+    log_prob = log_probs.gather(-1, b["responses"].unsqueeze(-1)).squeeze(-1)
+    cfg = FSDPActorConfig(
+        strategy="fsdp", ppo_mini_batch_size=PROMPTS, ppo_micro_batch_size_per_gpu=1, rollout_n=OWN,
+        clip_ratio_low=clip[0], clip_ratio_high=clip[1], loss_agg_mode=agg,
+    )
+    mask = b["response_mask"].bool()
+    loss, _ = get_policy_loss_fn(loss_mode)(b["old_log_probs"], log_prob, b["advantages"], mask, agg, cfg)
+    loss.backward()
+    grad_norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    return float(loss), float(grad_norm)
+
+
+@pytest.mark.parametrize(
+    "loss_mode, agg, clip",
+    [("vanilla", "token-mean", (0.2, 0.28)), ("gspo", "seq-mean-token-mean", (3e-4, 4e-4))],
+)
+def test_isolated_mode_trains_with_verls_own_loss(ray_cluster, tiny_agent_paths, loss_mode, agg, clip):
+    """GRPO (vanilla) and GSPO baselines: the worker's loss and gradient are verl's, not HACPO's."""
+    path = tiny_agent_paths["qwen2-char-small"]
+    extra = (
+        f"actor_rollout_ref.actor.policy_loss.loss_mode={loss_mode}",
+        f"actor_rollout_ref.actor.loss_agg_mode={agg}",
+        f"actor_rollout_ref.actor.clip_ratio_low={clip[0]}",
+        f"actor_rollout_ref.actor.clip_ratio_high={clip[1]}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={PROMPTS}",  # one update: the loss at the initial weights
+    )
+    agent_cfg, spec, hacpo = _config(path, 1, "isolated", extra)
     runtime = _runtime(agent_cfg, spec, hacpo)
     batch = _learner_batch(runtime.tokenizer)
-    keep = ~batch.batch[K.IS_CROSS]
-    batch = batch.select_idxs(keep)
+    batch = batch.select_idxs(~batch.batch[K.IS_CROSS])
     batch.batch["old_log_probs"] = runtime.old_log_prob(batch)
+    # perturb old log-probs so the ratios are not all 1 (the clip then matters)
+    g = torch.Generator().manual_seed(1)
+    batch.batch["old_log_probs"] += 0.3 * torch.randn(batch.batch["old_log_probs"].shape, generator=g)
+    batch.batch["old_log_probs"] *= batch.batch["response_mask"]
+    expected_loss, expected_grad_norm = _verl_reference(path, batch, loss_mode, agg, clip)
+
     metrics = runtime.update(batch, rows_per_prompt=OWN)
+
     record = runtime.last_update_record[0]
-    assert [e["update_index"] for e in record] == [0, 1, 2, 3]
-    # verl's own loss ran: the HACPO loss (which reports a bound) was never called
-    assert all(e["lower_bound"] is None for e in record)
+    assert [e["update_index"] for e in record] == [0]
+    assert record[0]["lower_bound"] is None  # the HACPO loss was never called
     assert "hacpo/cross_frac" not in metrics and "hacpo/lower_bound" not in metrics
+    assert metrics["actor/pg_loss"] == pytest.approx(expected_loss, rel=1e-4, abs=1e-6)
+    assert metrics["grad_norm"] == pytest.approx(expected_grad_norm, rel=1e-3)
