@@ -11,6 +11,9 @@ TaskRunner and every Ray worker, so the filters below are in place before verl e
   for model types it does not list (the tiny agents' `qwen2` / `llama` among them); it logs
   this once per request, hundreds of times per step.
 
+- the "Loading weights" / "Writing model shards" progress bars of Hugging Face loading and
+  saving, one pair per model load in every worker.
+
 `HACPO_VERBOSE=1` (set by `trainer.verbose=true`, inherited by Ray workers) keeps everything.
 """
 
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import warnings
 
 VERBOSE_ENV = "HACPO_VERBOSE"
@@ -32,7 +36,9 @@ KNOWN_LOG_RECORDS = {
     "verl.utils.tokenizer.continuous_token_wiring": "No model-specific Continuous Token builder",
 }
 
+_HF_BARS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"
 _installed = False
+_set_hf_env = False
 
 
 def is_verbose() -> bool:
@@ -60,8 +66,24 @@ def install() -> bool:
         warnings.filterwarnings("ignore", message=pattern, category=category)
     for name, prefix in KNOWN_LOG_RECORDS.items():
         logging.getLogger(name).addFilter(_DropPrefix(prefix))
+    _hf_progress_bars(False)
     _installed = True
     return True
+
+
+def _hf_progress_bars(on: bool) -> None:
+    # transformers reads the hub's switch when it is first imported; later, its own function
+    global _set_hf_env
+    if not on and _HF_BARS_ENV not in os.environ:
+        os.environ[_HF_BARS_ENV] = "1"
+        _set_hf_env = True
+    elif on and _set_hf_env:
+        os.environ.pop(_HF_BARS_ENV, None)
+        _set_hf_env = False
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        (hf_logging.enable_progress_bar if on else hf_logging.disable_progress_bar)()
 
 
 def release() -> None:
@@ -77,6 +99,7 @@ def release() -> None:
         lg = logging.getLogger(name)
         for f in [f for f in lg.filters if isinstance(f, _DropPrefix)]:
             lg.removeFilter(f)
+    _hf_progress_bars(True)
     _installed = False
 
 

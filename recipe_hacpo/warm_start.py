@@ -27,6 +27,7 @@ from typing import Sequence
 
 import torch
 
+from recipe_hacpo import quiet  # noqa: F401  (no model load/save progress bars unless HACPO_VERBOSE=1)
 from recipe_hacpo import tiny_agents
 from recipe_hacpo.data import synthetic
 

@@ -17,6 +17,8 @@ cd "$(dirname "$0")/.."
 
 export HACPO_OUTPUT_DIR=${HACPO_OUTPUT_DIR:-outputs/cpu_demo}
 AGENTS_DIR=${HACPO_AGENTS_DIR:-outputs/cpu_demo_agents}
+# absolute, so that Ray workers find the agents whatever their working directory
+[[ $AGENTS_DIR == /* ]] || AGENTS_DIR="$PWD/$AGENTS_DIR"
 SEED=${HACPO_DEMO_SEED:-0}
 STEPS=${HACPO_DEMO_STEPS:-20}
 # Supervised steps per agent. The character agent's held-out accuracy jumps from a few

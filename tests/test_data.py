@@ -580,3 +580,57 @@ def test_all_from_still_refuses_two_whole_files_for_one_output(tmp_path, capsys)
 ])
 def test_split_of_a_part(path, split):
     assert prepare.split_of_part(path) == split
+
+
+# --------------------------------------------------------------------------- unreadable files
+def _good_parquet(tmp_path) -> str:
+    path = str(tmp_path / "good.parquet")
+    write_rows([make_row("d", "What is 1+1?", "math", "2", "train", 0)], path)
+    return path
+
+
+def _corrupt_files(tmp_path) -> dict[str, str]:
+    good = open(_good_parquet(tmp_path), "rb").read()
+    files = {
+        "truncated.parquet": good[: len(good) // 2],
+        "random.parquet": bytes(range(256)) * 4,
+        "empty.parquet": b"",
+        "text.parquet": b"data_source,prompt\nx,y\n",
+        "badline.jsonl": json.dumps(make_row("d", "q", "math", "1", "train", 0)).encode() + b"\n{not json\n",
+        "notobjects.json": b"[1, 2, 3]",
+        "latin1.jsonl": "caf\xe9".encode("latin-1"),
+    }
+    out = {}
+    for name, data in files.items():
+        p = tmp_path / name
+        p.write_bytes(data)
+        out[name] = str(p)
+    return out
+
+
+def test_every_unreadable_or_corrupt_file_is_one_line_naming_it(tmp_path):
+    for name, path in _corrupt_files(tmp_path).items():
+        with pytest.raises(DataFormatError) as info:
+            validate_file(path)
+        msg = str(info.value)
+        assert msg.startswith(path + ": ") and "\n" not in msg, (name, msg)
+    with pytest.raises(DataFormatError, match=r"badline.jsonl: line 2: not valid JSON"):
+        validate_file(str(tmp_path / "badline.jsonl"))
+    with pytest.raises(DataFormatError, match=r"truncated.parquet: not a readable parquet file"):
+        validate_file(str(tmp_path / "truncated.parquet"))
+
+
+def test_corrupt_parquet_stops_the_cli_with_one_line_before_ray(tmp_path, tiny_agent_paths):
+    import subprocess
+    import sys
+
+    bad = _corrupt_files(tmp_path)["truncated.parquet"]
+    r = subprocess.run([sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo",
+                        f"agents.0.model_path={tiny_agent_paths['qwen2-char-small']}",
+                        f"agents.1.model_path={tiny_agent_paths['llama-pair-medium']}",
+                        f"data.train_files={bad}", f"hydra.run.dir={tmp_path}/hydra"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: {bad}: not a readable parquet file (")
+    assert "Traceback" not in r.stderr
+    assert "Ray" not in r.stdout + r.stderr

@@ -25,11 +25,14 @@ for _ in range(3):
     infer_continuous_token_model_family(hf_model_type="tiny-unknown-type")
 import warnings
 warnings.warn("an unrelated warning stays visible")
+from transformers.utils import logging as hf_logging
+print("hf progress bars", hf_logging.is_progress_bar_enabled())
 """
 
 
 def _probe(verbose: bool) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "HACPO_VERBOSE"}
+    # as a fresh shell would start it: nothing this test process's own filters exported
+    env = {k: v for k, v in os.environ.items() if k not in ("HACPO_VERBOSE", "HF_HUB_DISABLE_PROGRESS_BARS")}
     if verbose:
         env["HACPO_VERBOSE"] = "1"
     r = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, env=env, timeout=300)
@@ -42,9 +45,11 @@ def test_known_third_party_messages_are_silenced_in_a_fresh_process_and_back_whe
     assert "engine is not available" not in quiet
     assert "Continuous Token builder" not in quiet
     assert "an unrelated warning stays visible" in quiet
+    assert "hf progress bars False" in quiet
     loud = _probe(verbose=True)
     assert loud.count("engine is not available") >= 1
     assert loud.count("No model-specific Continuous Token builder") == 3
+    assert "hf progress bars True" in loud
 
 
 def test_release_removes_the_filters_in_this_process(monkeypatch):

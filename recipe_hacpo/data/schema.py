@@ -108,9 +108,18 @@ def validate_file(path: str, prompt_key: str = "prompt") -> int:
     if not os.path.isfile(path):
         raise DataFormatError(f"{path}: no such file (expected a parquet, json or jsonl data file)")
     if path.endswith(".parquet"):
-        records = pq.read_table(path).to_pylist()
+        try:
+            records = pq.read_table(path).to_pylist()
+        except (pa.ArrowException, OSError, ValueError) as err:
+            # truncated, corrupt, not parquet at all, or unreadable: one line, not a stack trace
+            raise DataFormatError(f"{path}: not a readable parquet file ({_first_line(err)})") from None
     elif path.endswith(".jsonl") or path.endswith(".json"):
-        records = _read_json_records(path)
+        try:
+            records = _read_json_records(path)
+        except OSError as err:
+            raise DataFormatError(f"{path}: cannot be read ({_first_line(err)})") from None
+        except UnicodeDecodeError:
+            raise DataFormatError(f"{path}: not UTF-8 text (expected JSON or JSON lines)") from None
     else:
         raise DataFormatError(f"{path}: unsupported file type (expected .parquet, .json or .jsonl, as verl reads)")
     check_records(records, path, prompt_key)
@@ -233,8 +242,25 @@ def _read_json_records(path: str) -> list:
     try:
         data = json.loads(text)
     except json.JSONDecodeError:
-        return [json.loads(line) for line in text.splitlines() if line.strip()]
-    return data if isinstance(data, list) else [data]
+        records = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as err:
+                raise DataFormatError(f"{path}: line {n}: not valid JSON ({err.msg})") from None
+        data = records
+    rows = data if isinstance(data, list) else [data]
+    for i, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise DataFormatError(f"{path}: row {i}: not an object (expected one JSON object per row)")
+    return rows
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[0] if text else type(err).__name__
 
 
 def main(argv: list[str] | None = None) -> int:
