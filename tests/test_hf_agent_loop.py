@@ -46,10 +46,9 @@ class _Actor:
 
 
 def _server(path: str, **rollout):
+    from recipe_hacpo.workers.hf_server import HFRolloutServer
     from verl.workers.config import HFModelConfig, RolloutConfig
     from verl.workers.rollout.replica import RolloutMode
-
-    from recipe_hacpo.workers.hf_server import HFRolloutServer
 
     cfg = RolloutConfig(
         name="hf", tensor_model_parallel_size=1, dtype="float32", load_format="auto", calculate_log_probs=True,
@@ -143,13 +142,14 @@ def _worker_config(model_path: str):
     )
 
 
-@pytest.mark.parametrize("kind,validate", [("qwen2-char-small", False), ("llama-pair-medium", False), ("llama-pair-medium", True)])
+@pytest.mark.parametrize(
+    "kind,validate", [("qwen2-char-small", False), ("llama-pair-medium", False), ("llama-pair-medium", True)]
+)
 def test_batched_worker_equals_verls_per_row_single_turn_loop(tmp_path, kind, validate):
+    from recipe_hacpo.workers.hf_agent_loop import BATCHED_AGENT_LOOP, HFBatchedAgentLoopWorker
     from verl.protocol import DataProto
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.rollout.llm_server import LLMServerClient
-
-    from recipe_hacpo.workers.hf_agent_loop import BATCHED_AGENT_LOOP, HFBatchedAgentLoopWorker
 
     path = tiny_agents.build_agent(str(tmp_path), kind)
     config = _worker_config(path)

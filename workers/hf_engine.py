@@ -6,10 +6,9 @@ import dataclasses
 from collections.abc import Iterable
 
 import torch
-from verl.workers.config import HFModelConfig, RolloutConfig
-
 from recipe_hacpo.workers.hf_sampling import Sampling
 from recipe_hacpo.workers.seeded_sampling import SeededRowSampler
+from verl.workers.config import HFModelConfig, RolloutConfig
 
 BACKEND_NAME = "hf"
 

@@ -32,15 +32,14 @@ from typing import Any
 
 import ray
 import torch
-from verl.workers.config import HFModelConfig, RolloutConfig
-from verl.workers.rollout.base import BaseRollout
-from verl.workers.rollout.replica import RolloutReplica
-from verl.workers.rollout.utils import ensure_async_iterator
-
 from recipe_hacpo.workers import rollout_naming
 from recipe_hacpo.workers.hf_engine import BACKEND_NAME
 from recipe_hacpo.workers.hf_sampling import HFRolloutUnsupported
 from recipe_hacpo.workers.hf_server import HFRolloutServer
+from verl.workers.config import HFModelConfig, RolloutConfig
+from verl.workers.rollout.base import BaseRollout
+from verl.workers.rollout.replica import RolloutReplica
+from verl.workers.rollout.utils import ensure_async_iterator
 
 # re-exported for the GPU backend (`vllm_rollout`) until it imports `rollout_naming` itself
 agent_name_of = rollout_naming.agent_name_of

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def agent_name_of(config: RolloutConfig | Any) -> str | None:
+def agent_name_of(config: Any) -> str | None:
     """The agent this rollout belongs to, from `rollout.custom.agent_name` (None: single agent)."""
     custom = getattr(config, "custom", None)
     if custom is None and hasattr(config, "get"):

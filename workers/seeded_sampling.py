@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 
 import torch
-
 from recipe_hacpo.workers.hf_sampling import Sampling
 
 
