@@ -130,6 +130,10 @@ class AgentRuntime:
         # the prompt-side fields the agent loop does not return (uid, ground truth, ...)
         for key, value in batch.non_tensor_batch.items():
             out.non_tensor_batch.setdefault(key, value)
+        # verl's per-row bookkeeping that no HACPO phase reads: dropped so that it is not
+        # serialised to the workers again with every later call on these rows
+        for key in _AGENT_LOOP_BOOKKEEPING:
+            out.non_tensor_batch.pop(key, None)
         return out
 
     def old_log_prob(self, batch: DataProto) -> torch.Tensor:
@@ -240,6 +244,22 @@ def _record_metrics(record: list[list[dict]]) -> dict[str, float]:
     if bounds:
         out["hacpo/lower_bound"] = float(np.mean(bounds))
     return out
+
+
+# non-tensor fields verl's agent loop adds per row (turns, request priority, tool and multi-modal
+# fields, weight versions); `finish_reason` and the dataset's own fields are kept
+_AGENT_LOOP_BOOKKEEPING = (
+    "__num_turns__",
+    "priority",
+    "agent_name",
+    "multi_modal_inputs",
+    "turn_scores",
+    "tool_rewards",
+    "extras",
+    "global_steps",
+    "min_global_steps",
+    "max_global_steps",
+)
 
 
 def _mean_metrics(metrics: dict) -> dict[str, float]:

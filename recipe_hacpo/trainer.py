@@ -91,7 +91,9 @@ class HacpoTrainer:
         # verl sizes each agent's LR schedule from this key
         for agent in self.agents.values():
             OmegaConf.update(agent.config, "actor_rollout_ref.actor.optim.total_training_steps", total_steps, force_add=True)
-            agent.build(self.hacpo, shared if agent.spec.uses_shared_pool else None)
+        # agents on their own pools build at once (each mostly waits on its own Ray actors
+        # starting); agents on the shared pool build in turn; a failure names its agent
+        self._each(lambda a: a.build(self.hacpo, shared if a.spec.uses_shared_pool else None))
         self.exchanges = self._build_exchanges()
 
     def _shared_pool(self):

@@ -16,6 +16,14 @@ Selected with `actor_rollout_ref.rollout.agent.default_agent_loop=hf_batched_sin
 Batches it cannot serve (multi-modal prompts, other agent loops, streaming reward or
 distillation, rollout tracing, per-row `__do_sample__` overrides) go through verl's per-row
 path unchanged; under that name the per-row loop is verl's `single_turn_agent`.
+
+What this relies on in verl 0.9.1 (`verl/experimental/agent_loop/agent_loop.py`):
+`AgentLoopManager.__init__` keeps a subclass's `agent_loop_workers_class`; the attributes
+`AgentLoopWorker.__init__` sets (rollout_config, tokenizer, processor, hf_model_type,
+reward_loop_worker_handles, distillation_enabled, config); the sampling dict and the
+DataProto layout of `AgentLoopWorker.generate_sequences` / `_agent_loop_postprocess` /
+`_postprocess`, and `SingleTurnAgentLoop.run`. `tests/test_hf_agent_loop.py` compares the two
+paths field by field, so an upgrade that changes any of these fails there.
 """
 
 from __future__ import annotations
