@@ -30,6 +30,8 @@ _ON = {"1", "true", "yes", "on"}
 # (category, regex matched against the start of the warning message)
 KNOWN_WARNINGS = (
     (UserWarning, r"(torchtitan|veomni|automodel|mindspeed|megatron) engine is not available"),
+    # torchdata's StatefulDataLoader calls a deprecated torch hook on every construction
+    (UserWarning, r"'set_vital' is deprecated"),
 )
 # logger name -> message prefix of the records to drop
 KNOWN_LOG_RECORDS = {
