@@ -24,8 +24,8 @@ STEPS=${HACPO_DEMO_STEPS:-20}
 # Supervised steps per agent. The character agent's held-out accuracy jumps abruptly near
 # step 1000, and where exactly differs between runs (4.6 %, 34.8 % and 57.8 % at step 1000 have
 # been seen), so 1500 steps leave a margin; the digit-pair agent reached ~20 % in 1200 steps.
-A_KIND=qwen2-char-small A_STEPS=1500
-B_KIND=llama-pair-medium B_STEPS=1200
+A_KIND=qwen2-char-small A_STEPS=${HACPO_DEMO_WARM_A:-1500}
+B_KIND=llama-pair-medium B_STEPS=${HACPO_DEMO_WARM_B:-1200}
 
 start=$(date +%s)
 A_DIR="$AGENTS_DIR/${A_KIND}_add3_${A_STEPS}_s0"
