@@ -11,6 +11,7 @@ TaskRunner and every Ray worker, so the filters below are in place before verl e
   for model types it does not list (the tiny agents' `qwen2` / `llama` among them); it logs
   this once per request, hundreds of times per step.
 
+- torch's `is_fx_tracing will return true ...` advice, once per process that trains.
 - the "Loading weights" / "Writing model shards" progress bars of Hugging Face loading and
   saving, one pair per model load in every worker.
 
@@ -30,10 +31,14 @@ _ON = {"1", "true", "yes", "on"}
 # (category, regex matched against the start of the warning message)
 KNOWN_WARNINGS = (
     (UserWarning, r"(torchtitan|veomni|automodel|mindspeed|megatron) engine is not available"),
+    # torchdata's StatefulDataLoader calls a deprecated torch hook on every construction
+    (UserWarning, r"'set_vital' is deprecated"),
 )
 # logger name -> message prefix of the records to drop
 KNOWN_LOG_RECORDS = {
     "verl.utils.tokenizer.continuous_token_wiring": "No model-specific Continuous Token builder",
+    # torch advises on an API verl's FSDP code path calls, once per process (driver and workers)
+    "torch.fx._symbolic_trace": "is_fx_tracing will return true",
 }
 
 _HF_BARS_ENV = "HF_HUB_DISABLE_PROGRESS_BARS"

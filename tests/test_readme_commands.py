@@ -73,6 +73,17 @@ def test_readme_names_the_make_targets_and_ci_runs_make_test():
     assert re.search(r"^\s*make test\s*$", ci, re.M), ".ci/run must run `make test`"
     assert "pip install" not in ci, ".ci/run must not install by itself (make test does)"
     assert "../shared" not in README and "/work/shared" not in README
+    # the GPU status comes before any section, and linked docs exist
+    assert "No GPU run has been made" in README.split("\n## ")[0]
+    for link in re.findall(r"\]\(([^)#]+)\)", README):
+        assert link.startswith("http") or (REPO / link).exists(), f"README links a missing file: {link}"
+
+
+def test_readme_evaluate_example_reads_where_the_presets_write():
+    for path in re.findall(r"--agents-from (\S+)", README):
+        pair = path.split("/")[1]
+        preset = (REPO / "configs" / f"pair_{pair}.yaml").read_text()
+        assert f"{{oc.env:HACPO_OUTPUT_DIR,outputs}}/{pair}/checkpoints" in preset, path
 
 
 def test_fresh_clone_installs_cpu_torch_first_then_every_extra_the_tests_need(clone, tmp_path):
