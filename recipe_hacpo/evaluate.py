@@ -70,6 +70,8 @@ import sys
 import time
 from typing import Callable, Protocol, Sequence
 
+from recipe_hacpo.workers import verl_touchpoints as tp
+
 # --------------------------------------------------------------------------- benchmarks
 
 BENCHMARKS: tuple[tuple[str, str], ...] = (
@@ -225,7 +227,6 @@ def all_metrics(scores: Sequence[Sequence[float]], metric: Metric) -> dict[str, 
 
 # --------------------------------------------------------------------------- checkpoints
 
-_SHARD_RE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt$")
 _WRAPPER_PARTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
 _UNSUPPORTED = (
     "merge it with `python -m verl.model_merger merge --backend fsdp --local_dir {actor} --target_dir DIR` "
@@ -253,12 +254,12 @@ def resolve_checkpoint(path: str, work_dir: str) -> str:
     if _has_hf_weights(path):
         return path
     actor = path
-    if not glob.glob(os.path.join(path, "model_world_size_*_rank_*.pt")) and os.path.isdir(os.path.join(path, "actor")):
+    if not glob.glob(os.path.join(path, tp.FSDP_SHARD_GLOB)) and os.path.isdir(os.path.join(path, "actor")):
         actor = os.path.join(path, "actor")
-    hf_dir = os.path.join(actor, "huggingface")
+    hf_dir = os.path.join(actor, tp.CHECKPOINT_HF_SUBDIR)
     if _has_hf_weights(hf_dir):
         return hf_dir
-    shards = glob.glob(os.path.join(actor, "model_world_size_*_rank_*.pt"))
+    shards = glob.glob(os.path.join(actor, tp.FSDP_SHARD_GLOB))
     if not shards:
         raise EvalError(
             f"{path}: neither a Hugging Face model dir (config.json and weights) nor a trainer checkpoint "
@@ -303,8 +304,8 @@ def _hub_cached(repo_id: str) -> bool:
 
 def _shard_files(actor: str) -> list[str]:
     found: dict[int, dict[int, str]] = {}
-    for f in glob.glob(os.path.join(actor, "model_world_size_*_rank_*.pt")):
-        m = _SHARD_RE.search(os.path.basename(f))
+    for f in glob.glob(os.path.join(actor, tp.FSDP_SHARD_GLOB)):
+        m = tp.FSDP_SHARD_RE.search(os.path.basename(f))
         if m:
             found.setdefault(int(m.group(1)), {})[int(m.group(2))] = f
     if len(found) != 1:
@@ -312,7 +313,7 @@ def _shard_files(actor: str) -> list[str]:
     (world, ranks), = found.items()
     missing = sorted(set(range(world)) - set(ranks))
     if missing:
-        raise EvalError(f"{actor}: world size {world} but rank {missing[0]} is missing (model_world_size_{world}_rank_{missing[0]}.pt)")
+        raise EvalError(f"{actor}: world size {world} but rank {missing[0]} is missing ({tp.fsdp_shard_name(world, missing[0])})")
     return [ranks[r] for r in range(world)]
 
 
@@ -328,12 +329,12 @@ def merge_shards(states: Sequence[dict], actor: str = "checkpoint") -> dict:
     merged = {}
     for key, first in states[0].items():
         values = [s[key] for s in states]
-        if hasattr(first, "_local_tensor") and hasattr(first, "placements"):
+        if hasattr(first, "to_local") and hasattr(first, "placements"):
             placements = tuple(first.placements)
             if len(placements) != 1:
                 raise EvalError(f"{actor}: {key} is sharded over a {len(placements)}-D device mesh (HSDP / tensor parallel), not supported; {hint}")
             place = placements[0]
-            local = [v._local_tensor for v in values]
+            local = [v.to_local() for v in values]
             if place.is_shard():
                 tensor = torch.cat(local, dim=place.dim) if len(local) > 1 else local[0]
             elif place.is_replicate():
@@ -364,7 +365,7 @@ def merge_fsdp_checkpoint(actor: str, target: str) -> str:
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    hf_dir = os.path.join(actor, "huggingface")
+    hf_dir = os.path.join(actor, tp.CHECKPOINT_HF_SUBDIR)
     files = _shard_files(actor)
     states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
     merged = merge_shards(states, actor)

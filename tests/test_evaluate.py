@@ -275,7 +275,7 @@ def test_shard_merging_rules_and_unsupported_layouts(tmp_path):
 
     def dt(parts, placements):
         full = torch.cat(parts, dim=placements[0].dim) if placements[0].is_shard() else parts[0]
-        return [types.SimpleNamespace(_local_tensor=p, placements=placements, shape=full.shape) for p in parts], full
+        return [types.SimpleNamespace(to_local=lambda p=p: p, placements=placements, shape=full.shape) for p in parts], full
 
     rows, rows_full = dt([torch.arange(6.0).view(2, 3), torch.arange(6.0, 9.0).view(1, 3)], (Shard(0),))
     cols, cols_full = dt([torch.ones(2, 1), torch.zeros(2, 2)], (Shard(1),))
@@ -289,7 +289,7 @@ def test_shard_merging_rules_and_unsupported_layouts(tmp_path):
 
     with pytest.raises(ev.EvalError, match="FSDP1 flat shards.*verl.model_merger"):
         ev.merge_shards([{"w": torch.ones(2)}, {"w": torch.ones(2)}])
-    two_d = types.SimpleNamespace(_local_tensor=torch.ones(2), placements=(Replicate(), Shard(0)), shape=(4,))
+    two_d = types.SimpleNamespace(to_local=lambda: torch.ones(2), placements=(Replicate(), Shard(0)), shape=(4,))
     with pytest.raises(ev.EvalError, match="2-D device mesh.*verl.model_merger"):
         ev.merge_shards([{"w": two_d}])
 

@@ -15,8 +15,8 @@ Touchpoints (private or unversioned contracts):
    (`verl/workers/engine_workers.py`, naive checkpoint backend): the adapter is built as
    `cls(config=, model_config=, device_mesh=)` (plus `replica_rank=` from
    `CheckpointEngineWorker`), and called as `resume(tags=["weights"|"kv_cache"])`,
-   `update_weights(per_tensor_param, peft_config=, base_sync_done=, global_steps=)`,
-   `release()`. Ranks are read from the `RANK` env var set by verl's `Worker`.
+   `update_weights(per_tensor_param, peft_config=, base_sync_done=, global_steps=)`;
+   `release()` is abstract in `BaseRollout` but not called by verl 0.9.1. Ranks are read from the `RANK` env var set by verl's `Worker`.
 3. Server call surface expected from a rollout server actor by
    `verl/workers/rollout/llm_server.py::LLMServerClient.generate` (`generate(request_id=,
    prompt_ids=, sampling_params=, image_data=, video_data=, ...) -> TokenOutput`) and by
@@ -68,6 +68,18 @@ Touchpoints (private or unversioned contracts):
    `use_gpu`, `accelerator_type`, `detached` and `pgs`, waits with a timeout, and sorts them
    with verl's `sort_placement_group_by_node_ip`.
 
+Couplings that live outside this module, because they are the subclass or the data they
+concern (each with a contract test in tests/test_verl_touchpoints.py):
+
+| # | where | relies on (verl 0.9.1) |
+|---|-------|------------------------|
+| 10 | `workers/hacpo_worker.py::HacpoTrainingWorker` | `verl/workers/engine_workers.py::TrainingWorker.train_mini_batch` calls `self.train_batch(data)` once per mini-batch (the update index m of stepwise clipping); checked at run time as well |
+| 11 | `workers/hacpo_loss.py::hacpo_actor_loss` | micro-batch non-tensor keys `dp_size`, `batch_num_tokens` (set in `verl/workers/engine/fsdp/transformer_impl.py::FSDPEngine.forward_backward_batch`) and `global_batch_size`, read as verl's own `verl/workers/utils/losses.py::ppo_loss` reads them |
+| 11 | `recipe_hacpo/agent_runtime.py` (update_actor) | the non-tensor keys of a training batch (`calculate_entropy`, `global_batch_size`, `mini_batch_size`, `epochs`, `seed`, `dataloader_kwargs`, `compute_loss`, `distillation_*`) as `verl/trainer/ppo/ray_trainer.py` sets them |
+| 12 | `recipe_hacpo/evaluate.py` (checkpoint merging) | `verl/utils/checkpoint/fsdp_checkpoint_manager.py::FSDPCheckpointManager.save_checkpoint` layout: `model_world_size_{W}_rank_{R}.pt` and `huggingface/`; the names live here (`FSDP_SHARD_GLOB`, `FSDP_SHARD_RE`, `fsdp_shard_name`, `CHECKPOINT_HF_SUBDIR`) |
+| 13 | `workers/hf_rollout.py::HFReplica.launch_servers` | `verl/workers/rollout/replica.py::RolloutReplica.server_handle` / `server_address` return the private `_server_handle` / `_server_address`, which a replica subclass must set (verl's own replicas do the same) |
+| 14 | `recipe_hacpo/exchange.py` | the batch layout `verl/experimental/agent_loop/agent_loop.py::AgentLoopWorker._postprocess` produces (documented there) |
+
 Public registrations done from here as well, to keep all of verl's registries in one file:
 `verl/workers/rollout/replica.py::RolloutReplicaRegistry.register` (public classmethod) and
 `verl/workers/engine/base.py::EngineRegistry.register`: verl registers its FSDP engines
@@ -78,6 +90,18 @@ for devices "cuda" and "npu" only; `register_cpu_engines` adds "cpu" for the sam
 from __future__ import annotations
 
 import functools
+import re
+
+# Touchpoint 12: verl's FSDP checkpoint layout, read by `recipe_hacpo.evaluate`.
+CHECKPOINT_HF_SUBDIR = "huggingface"
+FSDP_SHARD_GLOB = "model_world_size_*_rank_*.pt"
+FSDP_SHARD_RE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt$")
+
+
+def fsdp_shard_name(world_size: int, rank: int) -> str:
+    """File name of one rank's model shard, as `FSDPCheckpointManager.save_checkpoint` writes it."""
+    return f"model_world_size_{world_size}_rank_{rank}.pt"
+
 
 HF_BACKEND = "hf"
 HF_ADAPTER_FQN = "recipe_hacpo.workers.hf_rollout.HFServerAdapter"
