@@ -70,6 +70,7 @@ import sys
 import time
 from typing import Callable, Protocol, Sequence
 
+from recipe_hacpo.atomic_io import atomic_write_json
 from recipe_hacpo.workers import verl_touchpoints as tp
 
 # --------------------------------------------------------------------------- benchmarks
@@ -642,7 +643,7 @@ def evaluate(
     def done(name: str, per_bench: dict) -> None:
         results[name] = per_bench
         # kept current, so an interrupted run keeps what it finished
-        _write_json(os.path.join(out_dir, "metrics.json"), results)
+        atomic_write_json(os.path.join(out_dir, "metrics.json"), results)
 
     if isolate:
         groups = gpu_groups(gpus, opts.tensor_parallel_size) or [None]
@@ -655,7 +656,7 @@ def evaluate(
         compute_score = _load_compute_score()
         for name, model_dir in jobs:
             done(name, evaluate_checkpoint(name, model_dir, benchmarks, data, out_dir, opts, backend, compute_score, log))
-    _write_json(os.path.join(out_dir, "metrics.json"), results)
+    atomic_write_json(os.path.join(out_dir, "metrics.json"), results)
     return results
 
 
@@ -768,13 +769,6 @@ def _run_isolated(jobs, groups, shared, done, log) -> None:
         for proc, _ in running.values():
             proc.terminate()
             proc.join()
-
-
-def _write_json(path: str, data) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 def _write_samples(path: str, rows, responses, scores) -> None:

@@ -23,9 +23,7 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import string
-import tempfile
 from typing import Sequence
 
 import torch
@@ -39,6 +37,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from recipe_hacpo.atomic_io import replace_dir, staging_dir
 
 SPEC_FILE = "hacpo_tiny_agent.json"
 """Marker written last into an agent directory; its content decides whether a rebuild is needed."""
@@ -270,21 +270,13 @@ def build_agent(out_dir: str, kind: str, seed: int | None = None) -> str:
     model = build_model(spec, tokenizer, seed)
     model.generation_config = _generation_config(tokenizer)
 
-    tmp = tempfile.mkdtemp(prefix=f".{kind}.", dir=out_dir)
-    try:
+    with staging_dir(out_dir, prefix=f".{kind}.") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, SPEC_FILE), "w") as f:
             json.dump(record, f, indent=2, sort_keys=True)
-        if _is_built(path, record):  # another process won the race
-            shutil.rmtree(tmp)
-            return path
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if not _is_built(path, record):  # else another process won the race; ours is discarded
+            replace_dir(tmp, path)
     return path
 
 
