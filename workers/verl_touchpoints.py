@@ -38,13 +38,9 @@ Touchpoints (private or unversioned contracts):
    that owns its worker class can avoid it by calling
    `torch.distributed.init_process_group("cpu:gloo", ...)` before verl's worker `__init__`
    (verl skips initialisation when a default group exists).
-6. `verl/workers/rollout/replica.py::RolloutReplicaRegistry._registry` (private) is read by
-   `hf_rollout_registered` for diagnostics only.
-7. `verl/experimental/reward_loop/reward_loop.py::RewardLoopManager._init_reward_loop_workers`
-   (private) names its actors `reward_loop_worker_{i}`, so a second manager in the job
-   collides. Sharing one manager is wrong for heterogeneous agents: each `RewardLoopWorker`
-   decodes response token ids with `config.actor_rollout_ref.model`'s tokenizer.
-   `AgentRewardLoopManager` overrides that method to name the workers per agent.
+Numbers 6 and 7 are retired (a diagnostic read of `RolloutReplicaRegistry._registry` and a
+per-agent `RewardLoopManager`, neither used: the trainer scores rewards itself, `scoring.py`);
+the other numbers stay as they are cited elsewhere.
 8. vLLM naming hooks (`rollout.name=vllm`, registered over verl's own entries; `workers/vllm_rollout.py`):
    `verl/workers/rollout/vllm_rollout/vllm_async_server.py::vLLMReplica._get_server_name_prefix`
    (read by `launch_servers`) and `vLLMReplica.server_class` (set in `__init__`);
@@ -154,14 +150,6 @@ def register_hacpo_vllm_rollout() -> None:
     rollout_base._ROLLOUT_REGISTRY[(VLLM_BACKEND, "async")] = VLLM_ADAPTER_FQN
 
 
-def hf_rollout_registered() -> bool:
-    """Both halves of the hf backend are visible to verl in this process."""
-    from verl.workers.rollout import base as rollout_base
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
-
-    return HF_BACKEND in RolloutReplicaRegistry._registry and (HF_BACKEND, "async") in rollout_base._ROLLOUT_REGISTRY
-
-
 def dedupe_backend_string(backend):
     """Collapse repeated identical `device:backend` pairs ("cpu:gloo,cpu:gloo" -> "cpu:gloo").
 
@@ -213,41 +201,6 @@ def register_cpu_engines() -> None:
             EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine_cls)
         except AssertionError:  # already registered in this process
             pass
-
-
-def _agent_reward_loop_manager_cls():
-    """Build `AgentRewardLoopManager` on first use (its base class pulls in the reward stack)."""
-    from verl.experimental.reward_loop import RewardLoopManager
-
-    class AgentRewardLoopManager(RewardLoopManager):
-        """verl's RewardLoopManager with per-agent worker names (touchpoint 7).
-
-        Build one per agent from that agent's full config (its `actor_rollout_ref.model`
-        supplies the tokenizer the workers decode with) and pass its
-        `reward_loop_worker_handles` to that agent's AgentLoopManager.
-        """
-
-        def __init__(self, config, rm_resource_pool=None, agent_name: str | None = None):
-            from recipe_hacpo.workers.hf_rollout import agent_name_of
-
-            self.agent_name = agent_name or agent_name_of(config.actor_rollout_ref.rollout) or "agent"
-            super().__init__(config, rm_resource_pool)
-
-        def _init_reward_loop_workers(self):
-            import ray
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
-            self.reward_loop_workers = [
-                self.reward_loop_workers_class.options(
-                    name=f"reward_loop_worker_{self.agent_name}_{i}",
-                    # spread over nodes; soft so a busy node does not block start-up
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)], soft=True),
-                ).remote(self.config, self.reward_router_address)
-                for i in range(self.config.reward.num_workers)
-            ]
-
-    return AgentRewardLoopManager
 
 
 def _timed_resource_pool_cls():
@@ -303,13 +256,13 @@ def _timed_resource_pool_cls():
     return TimedResourcePool
 
 
-_LAZY = {"AgentRewardLoopManager": _agent_reward_loop_manager_cls, "TimedResourcePool": _timed_resource_pool_cls}
+_LAZY = {"TimedResourcePool": _timed_resource_pool_cls}
 _BUILT: dict = {}
 
 
 def __getattr__(name: str):
     # Lazy module attribute: importing this module (done by the plugin on `import verl`)
-    # must not import verl's reward stack.
+    # must not import Ray's placement API.
     if name in _LAZY:
         if name not in _BUILT:
             _BUILT[name] = _LAZY[name]()
