@@ -72,7 +72,7 @@ concern (each with a contract test in tests/test_verl_touchpoints.py):
 | 10 | `workers/hacpo_worker.py::HacpoTrainingWorker` | `verl/workers/engine_workers.py::TrainingWorker.train_mini_batch` calls `self.train_batch(data)` once per mini-batch (the update index m of stepwise clipping); checked at run time as well |
 | 11 | `workers/hacpo_loss.py::hacpo_actor_loss` | micro-batch non-tensor keys `dp_size`, `batch_num_tokens` (set in `verl/workers/engine/fsdp/transformer_impl.py::FSDPEngine.forward_backward_batch`) and `global_batch_size`, read as verl's own `verl/workers/utils/losses.py::ppo_loss` reads them |
 | 11 | `recipe_hacpo/agent_runtime.py` (update_actor) | the non-tensor keys of a training batch (`calculate_entropy`, `global_batch_size`, `mini_batch_size`, `epochs`, `seed`, `dataloader_kwargs`, `compute_loss`, `distillation_*`) as `verl/trainer/ppo/ray_trainer.py` sets them |
-| 12 | `recipe_hacpo/evaluate.py` (checkpoint merging) | `verl/utils/checkpoint/fsdp_checkpoint_manager.py::FSDPCheckpointManager.save_checkpoint` layout: `model_world_size_{W}_rank_{R}.pt` and `huggingface/`; the names live here (`FSDP_SHARD_GLOB`, `FSDP_SHARD_RE`, `fsdp_shard_name`, `CHECKPOINT_HF_SUBDIR`) |
+| 12 | `recipe_hacpo/evaluation/checkpoints.py` | `verl/utils/checkpoint/fsdp_checkpoint_manager.py::FSDPCheckpointManager.save_checkpoint` layout: `model_world_size_{W}_rank_{R}.pt` and `huggingface/`; the names live here (`FSDP_SHARD_GLOB`, `FSDP_SHARD_RE`, `fsdp_shard_name`, `CHECKPOINT_HF_SUBDIR`) |
 | 13 | `workers/hf_rollout.py::HFReplica.launch_servers` | `verl/workers/rollout/replica.py::RolloutReplica.server_handle` / `server_address` return the private `_server_handle` / `_server_address`, which a replica subclass must set (verl's own replicas do the same) |
 | 14 | `recipe_hacpo/exchange.py` | the batch layout `verl/experimental/agent_loop/agent_loop.py::AgentLoopWorker._postprocess` produces (documented there) |
 
@@ -88,7 +88,7 @@ from __future__ import annotations
 import functools
 import re
 
-# Touchpoint 12: verl's FSDP checkpoint layout, read by `recipe_hacpo.evaluate`.
+# Touchpoint 12: verl's FSDP checkpoint layout, read by `recipe_hacpo.evaluation.checkpoints`.
 CHECKPOINT_HF_SUBDIR = "huggingface"
 FSDP_SHARD_GLOB = "model_world_size_*_rank_*.pt"
 FSDP_SHARD_RE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt$")
