@@ -1,4 +1,12 @@
-"""From a table row's path to a model directory: Hugging Face dirs, hub ids, trainer checkpoints (FSDP shards merged)."""
+"""From a table row's path to a model directory: Hugging Face dirs, hub ids, trainer checkpoints (FSDP shards merged).
+
+Why the merge is done here and not by verl's `verl.model_merger` (`FSDPModelMerger`, 0.9.1):
+that merger casts every DTensor shard to bfloat16 and builds the model in bfloat16, so an fp32
+checkpoint (every CPU run) would be evaluated with other weights than it trained; it needs the
+`fsdp_config.json` beside the shards and stops on unsupported layouts with `assert`, not with a
+message naming the checkpoint. It does handle more layouts (2-D meshes, FSDP1 flat shards), so
+the error for those points to it. The merge here keeps the dtype of the model's config.
+"""
 
 from __future__ import annotations
 
