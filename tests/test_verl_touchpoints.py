@@ -203,3 +203,39 @@ def test_13_replica_server_handle_and_address_attributes():
         getter = getattr(RolloutReplica, prop, None)
         _contract(f"13 (RolloutReplica.{prop})", isinstance(getter, property) and f"self.{attr}" in _source(getter.fget),
                   f"RolloutReplica.{prop} no longer returns self.{attr}, which HFReplica sets")
+
+
+def test_10_update_index_reaches_every_mini_batch_through_verls_train_mini_batch(monkeypatch):
+    """verl's own `TrainingWorker.train_mini_batch` (only the engine and the per-mini-batch
+    `train_batch` underneath are stand-ins): HacpoTrainingWorker numbers every mini-batch of
+    every epoch, m = 0 .. N·epochs − 1, in the order verl runs them."""
+    from contextlib import nullcontext
+    from types import SimpleNamespace
+
+    import torch
+    from tensordict import TensorDict
+    from verl.utils import tensordict_utils as tu
+    from verl.workers.engine_workers import TrainingWorker
+
+    from recipe_hacpo import batch_keys as K
+    from recipe_hacpo.workers.hacpo_worker import HacpoTrainingWorker
+
+    seen: list[int] = []
+
+    def engine_step(self, data):  # what verl's train_batch would hand to the engine and loss
+        seen.append(tu.get_non_tensor_data(data=data, key=K.UPDATE_INDEX, default=None))
+        return TensorDict({}, batch_size=[])
+
+    monkeypatch.setattr(TrainingWorker, "train_batch", engine_step)
+    worker = object.__new__(HacpoTrainingWorker)
+    worker.engine = SimpleNamespace(
+        get_data_parallel_size=lambda: 1, get_data_parallel_rank=lambda: 0,
+        train_mode=lambda **_: nullcontext(), is_mp_src_rank_with_outputs=lambda: False,
+    )
+    worker.profiler = SimpleNamespace(step=lambda: None)
+    data = TensorDict({K.IS_CROSS: torch.tensor([False, True] * 4)}, batch_size=[8])
+    tu.assign_non_tensor(data, mini_batch_size=2, epochs=2, seed=0, dataloader_kwargs={"shuffle": False})
+    worker.train_mini_batch(data)
+    _contract("10 (train_mini_batch -> train_batch)", seen == list(range(8)),
+              f"the loss saw update indices {seen} for 4 mini-batches x 2 epochs, expected 0..7")
+    assert [r["update_index"] for r in worker.update_record] == list(range(8))
