@@ -66,16 +66,12 @@ from typing import Callable, Sequence
 from recipe_hacpo.atomic_io import atomic_write_json
 from recipe_hacpo.evaluation import EvalError
 from recipe_hacpo.evaluation.benchmarks import (
-    BENCHMARKS,
-    DEFAULT_METRIC,
-    DEFAULT_METRICS,
     MAIN_TABLE_MAX_NEW_TOKENS,
     Benchmark,
-    Metric,
     all_metrics,
-    bench_key,
-    column_order,
+    build_benchmarks,
     load_benchmark,
+    parse_pairs,
 )
 from recipe_hacpo.evaluation.checkpoints import path_name, agent_checkpoints, resolve_checkpoint
 from recipe_hacpo.evaluation.generators import GenOptions, gpu_groups, make_generator, pick_backend
@@ -278,55 +274,6 @@ def _write_samples(path: str, rows, responses, scores) -> None:
 # --------------------------------------------------------------------------- command line
 
 
-def _pairs(values: Sequence[str] | None, flag: str) -> list[tuple[str, str]]:
-    out = []
-    for value in values or []:
-        name, sep, rest = value.partition("=")
-        if not sep or not name.strip() or not rest.strip():
-            raise EvalError(f"{flag} {value!r}: expected NAME=VALUE")
-        out.append((name.strip(), rest.strip()))
-    return out
-
-
-def build_benchmarks(
-    bench_args: Sequence[str] | None,
-    bench_dir: str | None,
-    metric_args: Sequence[str] | None,
-    sample_args: Sequence[str] | None,
-) -> list[Benchmark]:
-    files: dict[str, str] = {}
-    if bench_dir:
-        if not os.path.isdir(bench_dir):
-            raise EvalError(f"--bench-dir {bench_dir}: no such directory")
-        for key, _ in BENCHMARKS:
-            path = os.path.join(bench_dir, f"{key}_test.parquet")
-            if os.path.isfile(path):
-                files[key] = path
-        if not files:
-            raise EvalError(f"--bench-dir {bench_dir}: no <benchmark>_test.parquet files ({', '.join(k for k, _ in BENCHMARKS)})")
-    for name, path in _pairs(bench_args, "--bench"):
-        files[bench_key(name)] = path
-    if not files:
-        raise EvalError("no benchmarks: give --bench NAME=FILE or --bench-dir DIR")
-    metrics = {bench_key(k): Metric.parse(v) for k, v in _pairs(metric_args, "--metric")}
-    samples = {}
-    for k, v in _pairs(sample_args, "--samples"):
-        if not v.isdigit() or int(v) < 1:
-            raise EvalError(f"--samples {k}={v}: expected a positive integer")
-        samples[bench_key(k)] = int(v)
-    for key in list(metrics) + list(samples):
-        if key not in files:
-            raise EvalError(f"{key}: a metric or sample count for a benchmark that is not evaluated ({', '.join(files)})")
-    out = []
-    for key, path in files.items():
-        metric = metrics.get(key) or Metric.parse(DEFAULT_METRICS.get(key, DEFAULT_METRIC))
-        n = samples.get(key, metric.k)
-        if n < metric.k:
-            raise EvalError(f"--samples {key}={n}: fewer than the k of {metric}")
-        out.append(Benchmark(key, path, metric, n))
-    return column_order(out)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m recipe_hacpo.evaluate",
@@ -374,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--percent", action="store_true", help="markdown values as percentages")
     args = parser.parse_args(argv)
     try:
-        checkpoints = _pairs(args.checkpoint, "--checkpoint")
+        checkpoints = parse_pairs(args.checkpoint, "--checkpoint")
         for spec in args.agents_from or []:
             checkpoints += agent_checkpoints(spec)
         if not checkpoints:

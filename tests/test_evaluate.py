@@ -63,11 +63,11 @@ def test_metrics_match_hand_computed_values():
     assert evb.pass_at_k(SCORES, 4) == pytest.approx(evb.best_at_k(SCORES, 4))
     assert evb.pass_at_k_one(30, 1, 30) == 1.0 and evb.pass_at_k_one(30, 0, 5) == 0.0
     assert evb.pass_at_k_one(10, 3, 2) == pytest.approx(1 - (7 * 6) / (10 * 9))
-    assert ev.Metric.parse("best@30").compute([[0] * 29 + [1], [0] * 30]) == 0.5
+    assert evb.Metric.parse("best@30").compute([[0] * 29 + [1], [0] * 30]) == 0.5
     with pytest.raises(ev.EvalError, match="at least k samples"):
         evb.avg_at_k(SCORES, 5)
     with pytest.raises(ev.EvalError, match="avg@k, best@k or pass@k"):
-        ev.Metric.parse("mean@3")
+        evb.Metric.parse("mean@3")
 
 
 def test_benchmark_names_defaults_and_column_order(tmp_path):
@@ -79,7 +79,7 @@ def test_benchmark_names_defaults_and_column_order(tmp_path):
     assert str(by_key["aime25"].metric) == "best@30" and by_key["aime25"].n == 30
     assert str(by_key["math500"].metric) == "avg@1" and by_key["math500"].n == 1
     assert (str(by_key["amc23"].metric), by_key["amc23"].n) == ("pass@2", 4)
-    assert ev.bench_key("MATH-500") == "math500" and ev.bench_key("aime2025") == "aime25"
+    assert evb.bench_key("MATH-500") == "math500" and evb.bench_key("aime2025") == "aime25"
     with pytest.raises(ev.EvalError, match="fewer than the k"):
         ev.build_benchmarks(None, str(tmp_path), None, ["aime25=8"])
     with pytest.raises(ev.EvalError, match="not evaluated"):
@@ -95,7 +95,7 @@ class CannedGenerator:
 
     def __init__(self, plan: dict, calls: list):
         self.plan, self.calls = plan, calls
-        self.order = [k for k, _ in ev.BENCHMARKS]
+        self.order = [k for k, _ in evb.BENCHMARKS]
 
     def generate(self, prompts, n, temperature, seed):
         key = self.order.pop(0)
@@ -347,7 +347,7 @@ def test_shutdown_stops_the_engine_core():
 
 
 def test_checkpoints_in_their_own_processes_match_in_process(tmp_path, tiny_agent_paths):
-    bench = ev.Benchmark("gsm8k", _bench(tmp_path, "gsm8k"), ev.Metric("avg", 1), 1)
+    bench = ev.Benchmark("gsm8k", _bench(tmp_path, "gsm8k"), evb.Metric("avg", 1), 1)
     opts = ev.GenOptions(backend="hf", max_new_tokens=4, batch_size=2, device="cpu")
     checkpoints = [("a", tiny_agent_paths["qwen2-char-small"]), ("b", tiny_agent_paths["llama-pair-medium"])]
     logs: list[str] = []
@@ -367,7 +367,7 @@ def test_a_failing_checkpoint_process_is_one_line(tmp_path, tiny_agent_paths):
     shutil.copytree(tiny_agent_paths["qwen2-char-small"], broken)
     for weights in broken.glob("*.safetensors"):
         weights.write_bytes(b"not a safetensors file")
-    bench = ev.Benchmark("gsm8k", _bench(tmp_path, "gsm8k"), ev.Metric("avg", 1), 1)
+    bench = ev.Benchmark("gsm8k", _bench(tmp_path, "gsm8k"), evb.Metric("avg", 1), 1)
     opts = ev.GenOptions(backend="hf", max_new_tokens=2, device="cpu")
     with pytest.raises(ev.EvalError, match=r"^checkpoint broken: \w+") as err:
         ev.evaluate([("broken", str(broken))], [bench], str(tmp_path / "out"), opts, log=lambda m: None, gpus="0", isolate=True)

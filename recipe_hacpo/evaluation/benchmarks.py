@@ -108,6 +108,57 @@ def load_benchmark(path: str, limit: int | None = None) -> list[dict]:
     return rows
 
 
+def parse_pairs(values: Sequence[str] | None, flag: str) -> list[tuple[str, str]]:
+    """`NAME=VALUE` command-line values as (name, value) pairs; `flag` names the option in errors."""
+    out = []
+    for value in values or []:
+        name, sep, rest = value.partition("=")
+        if not sep or not name.strip() or not rest.strip():
+            raise EvalError(f"{flag} {value!r}: expected NAME=VALUE")
+        out.append((name.strip(), rest.strip()))
+    return out
+
+
+def build_benchmarks(
+    bench_args: Sequence[str] | None,
+    bench_dir: str | None,
+    metric_args: Sequence[str] | None,
+    sample_args: Sequence[str] | None,
+) -> list[Benchmark]:
+    """The benchmarks to evaluate, in the table's column order, from the command-line options."""
+    files: dict[str, str] = {}
+    if bench_dir:
+        if not os.path.isdir(bench_dir):
+            raise EvalError(f"--bench-dir {bench_dir}: no such directory")
+        for key, _ in BENCHMARKS:
+            path = os.path.join(bench_dir, f"{key}_test.parquet")
+            if os.path.isfile(path):
+                files[key] = path
+        if not files:
+            raise EvalError(f"--bench-dir {bench_dir}: no <benchmark>_test.parquet files ({', '.join(k for k, _ in BENCHMARKS)})")
+    for name, path in parse_pairs(bench_args, "--bench"):
+        files[bench_key(name)] = path
+    if not files:
+        raise EvalError("no benchmarks: give --bench NAME=FILE or --bench-dir DIR")
+    metrics = {bench_key(k): Metric.parse(v) for k, v in parse_pairs(metric_args, "--metric")}
+    samples = {}
+    for k, v in parse_pairs(sample_args, "--samples"):
+        if not v.isdigit() or int(v) < 1:
+            raise EvalError(f"--samples {k}={v}: expected a positive integer")
+        samples[bench_key(k)] = int(v)
+    for key in list(metrics) + list(samples):
+        if key not in files:
+            raise EvalError(f"{key}: a metric or sample count for a benchmark that is not evaluated ({', '.join(files)})")
+    out = []
+    for key, path in files.items():
+        metric = metrics.get(key) or Metric.parse(DEFAULT_METRICS.get(key, DEFAULT_METRIC))
+        n = samples.get(key, metric.k)
+        if n < metric.k:
+            raise EvalError(f"--samples {key}={n}: fewer than the k of {metric}")
+        out.append(Benchmark(key, path, metric, n))
+    return column_order(out)
+
+
 # --------------------------------------------------------------------------- metrics
 
 
