@@ -36,6 +36,3 @@ FINISHED = "hacpo_finished"
 # meta_info / non-tensor scalars passed to the worker
 UPDATE_INDEX = "hacpo_update_index"
 """int — m of spec §5: optimizer updates the learner already made in this training step."""
-
-HACPO_ROW_KEYS = (SOURCE, IS_CROSS, OMEGA, SOURCE_LOG_PROB_MEAN, SOURCE_RESPONSE_LENGTH)
-"""Per-row tensors the HACPO loss reads from the batch on the worker."""

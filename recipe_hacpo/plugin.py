@@ -1,7 +1,8 @@
 """Entry point of the `verl.plugins` group: verl imports it on `import verl` in every process.
 
 That includes the driver, the TaskRunner and every Ray worker, which is what makes the
-registrations below visible wherever verl builds a platform, a rollout or a loss.
+registrations below visible wherever verl builds a platform or a rollout. The HACPO loss
+needs no registry entry: `workers/hacpo_worker.py` installs it on the actor it trains.
 
 What is registered:
 
@@ -52,13 +53,7 @@ def _register_rollout_backends() -> None:
     register_hacpo_vllm_rollout()
 
 
-def _register_algorithms() -> None:
-    # >>> HACPO loss / advantage registration goes here (lead):
-    # import recipe_hacpo.core_algos  # noqa: F401  (register_policy_loss / register_adv_est)
-    pass
-
-
-for _step in (_register_cpu_platform, _register_rollout_backends, _register_algorithms):
+for _step in (_register_cpu_platform, _register_rollout_backends):
     try:
         _step()
     except Exception:

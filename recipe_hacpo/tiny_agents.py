@@ -23,9 +23,7 @@ import argparse
 import dataclasses
 import json
 import os
-import shutil
 import string
-import tempfile
 from typing import Sequence
 
 import torch
@@ -39,6 +37,8 @@ from transformers import (
     Qwen2Config,
     Qwen2ForCausalLM,
 )
+
+from recipe_hacpo.atomic_io import replace_dir, staging_dir
 
 SPEC_FILE = "hacpo_tiny_agent.json"
 """Marker written last into an agent directory; its content decides whether a rebuild is needed."""
@@ -168,7 +168,7 @@ TOKENIZER_BUILDERS = {"char": build_char_tokenizer, "pair": build_pair_tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
-class AgentSpec:
+class TinyModelSpec:
     """Everything that defines a tiny agent; serialised into `SPEC_FILE`."""
 
     arch: str  # "qwen2" | "llama"
@@ -181,11 +181,11 @@ class AgentSpec:
     tie_word_embeddings: bool
 
 
-AGENT_KINDS: dict[str, AgentSpec] = {
+AGENT_KINDS: dict[str, TinyModelSpec] = {
     # Small Qwen-like models tie embeddings (as Qwen2.5-0.5B does); the Llama-like one does not.
-    "qwen2-char-small": AgentSpec("qwen2", "char", 64, 2, 4, 2, 128, True),
-    "qwen2-char-medium": AgentSpec("qwen2", "char", 96, 3, 4, 2, 192, True),
-    "llama-pair-medium": AgentSpec("llama", "pair", 96, 3, 4, 2, 192, False),
+    "qwen2-char-small": TinyModelSpec("qwen2", "char", 64, 2, 4, 2, 128, True),
+    "qwen2-char-medium": TinyModelSpec("qwen2", "char", 96, 3, 4, 2, 192, True),
+    "llama-pair-medium": TinyModelSpec("llama", "pair", 96, 3, 4, 2, 192, False),
 }
 
 DEFAULT_KINDS = tuple(AGENT_KINDS)
@@ -193,7 +193,7 @@ DEFAULT_KINDS = tuple(AGENT_KINDS)
 DEFAULT_SEEDS = {"qwen2-char-small": 0, "qwen2-char-medium": 1, "llama-pair-medium": 2}
 
 
-def build_model(spec: AgentSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
+def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
     """Random-init causal LM for `spec`; vocab = len(tokenizer), float32, sdpa attention."""
     common = dict(
         vocab_size=len(tokenizer),
@@ -270,21 +270,13 @@ def build_agent(out_dir: str, kind: str, seed: int | None = None) -> str:
     model = build_model(spec, tokenizer, seed)
     model.generation_config = _generation_config(tokenizer)
 
-    tmp = tempfile.mkdtemp(prefix=f".{kind}.", dir=out_dir)
-    try:
+    with staging_dir(out_dir, prefix=f".{kind}.") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         with open(os.path.join(tmp, SPEC_FILE), "w") as f:
             json.dump(record, f, indent=2, sort_keys=True)
-        if _is_built(path, record):  # another process won the race
-            shutil.rmtree(tmp)
-            return path
-        if os.path.exists(path):
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if not _is_built(path, record):  # else another process won the race; ours is discarded
+            replace_dir(tmp, path)
     return path
 
 

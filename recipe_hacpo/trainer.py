@@ -518,25 +518,7 @@ def _timer(name: str, timing: dict):
     timing[name] = time.perf_counter() - start
 
 
-def _fsync_dir(path: str) -> None:
-    """Make a rename inside `path` durable (no-op where directories cannot be opened)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: str, text: str) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+# One implementation for the package (recipe_hacpo.atomic_io); the names stay for the callers above.
+from recipe_hacpo.atomic_io import atomic_write_text as _atomic_write  # noqa: E402
+from recipe_hacpo.atomic_io import fsync_dir as _fsync_dir  # noqa: E402
 

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import random
-import shutil
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ import torch
 
 from recipe_hacpo import quiet  # noqa: F401  (no model load/save progress bars unless HACPO_VERBOSE=1)
 from recipe_hacpo import tiny_agents
+from recipe_hacpo.atomic_io import replace_dir, staging_dir
 from recipe_hacpo.data import synthetic
 
 RECORD_FILE = "warm_start.json"
@@ -206,20 +206,13 @@ def warm_start(args: WarmStartArgs, out: str, *, log_every: int = 100, verbose: 
     record.update({"held_out_accuracy": accuracy, "train_seconds": train_s, "loss_history": history,
                    "params": sum(p.numel() for p in model.parameters())})
     parent = os.path.dirname(os.path.abspath(out)) or "."
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".warm.", dir=parent)
-    try:
+    with staging_dir(parent, prefix=".warm.") as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         gen_config.save_pretrained(tmp)
         with open(os.path.join(tmp, RECORD_FILE), "w") as f:
             json.dump(record, f, indent=2)
-        if os.path.exists(out):
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        replace_dir(tmp, out)
     return record
 
 

@@ -12,6 +12,25 @@ the main thread, and a thread cannot be killed. So:
 
 The target module must be importable by file path with only third-party dependencies (no
 package-relative imports). Functions receive and return JSON-serialisable values.
+
+Why the worker runs an alarm *and* the caller holds a kill deadline: they bound different
+failures. The alarm ends the common case (sympy busy in Python code) inside the worker, which
+answers "timeout" and stays warm; the kill is the backstop for a call stuck in C code, and
+costs a worker restart (interpreter + sympy import + `warmup`, about 0.5 s measured for
+`equivalence.py` on a 2-core host). One mechanism alone loses one of the two.
+
+Why not a process-pool library:
+- `concurrent.futures.ProcessPoolExecutor` / `multiprocessing.Pool` have no per-task timeout
+  that ends the task: a stuck call keeps its worker forever.
+- `pebble.ProcessPool.schedule(timeout=)` ends an overrunning task by terminating its worker,
+  i.e. the kill only: every timed-out sample would pay the restart above. It is built on
+  `multiprocessing`, whose default `fork` start copies a multi-threaded Ray worker (unsafe),
+  while `spawn`/`forkserver` re-import the parent's `__main__` in each worker (a Ray worker's
+  entry module with Ray and the trainer's imports); the workers here start a bare interpreter
+  on this file, load only the target by path and cap their own address space.
+- No library covers the other two paths: the main thread needs no process at all (a
+  `SIGALRM` bound), and where process creation is refused (some sandboxes) the call must fall
+  back to a soft bound in a thread rather than fail every sample.
 """
 
 from __future__ import annotations

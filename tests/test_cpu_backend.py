@@ -458,32 +458,6 @@ class TestHFRolloutServer:
         ray.get(server.wake_up.remote(tags=["kv_cache"]))
         assert len(self._generate(server, [prompt], max_tokens=2)[0].token_ids) >= 1
 
-    def test_reward_loop_managers_are_per_agent(self, ray_local, tmp_path_factory):
-        """Two agents, two tokenizers: each agent's reward workers decode with its own."""
-        from recipe_hacpo.workers.verl_touchpoints import AgentRewardLoopManager
-
-        root = tmp_path_factory.mktemp("reward_agents")
-        reward_path = root / "reward_fn.py"
-        reward_path.write_text(REWARD_SOURCE)
-        managers = {}
-        for agent, kind in (("alice", "qwen2-char-small"), ("bob", "llama-pair-medium")):
-            path = tiny_agents.build_agent(str(root), kind)
-            cfg = compose_ppo_config(
-                [
-                    f"actor_rollout_ref.model.path={path}",
-                    "actor_rollout_ref.rollout.name=hf",
-                    f"+actor_rollout_ref.rollout.custom.agent_name={agent}",
-                    f"reward.custom_reward_function.path={reward_path}",
-                    "reward.num_workers=1",
-                ]
-            )
-            managers[agent] = (AgentRewardLoopManager(cfg), path)
-        for agent, (manager, path) in managers.items():
-            worker = ray_local.get_actor(f"reward_loop_worker_{agent}_0")
-            seen = ray_local.get(worker.__ray_call__.remote(lambda w: w.input_tokenizer.name_or_path))
-            assert os.path.samefile(seen, path)
-            assert manager.reward_loop_workers[0]._actor_id == worker._actor_id
-
 
 # ---------------------------------------------------------------------------------------
 # 2. unmodified verl main_ppo, 2 GSPO steps on CPU

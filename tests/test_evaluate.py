@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from recipe_hacpo import evaluate as ev
+from recipe_hacpo.evaluation import benchmarks as evb
+from recipe_hacpo.evaluation import checkpoints as evc
+from recipe_hacpo.evaluation import generators as evg
 from recipe_hacpo.data.schema import make_row, write_rows
 
 # (key, data_source as recipe_hacpo.data.prepare writes it)
@@ -46,25 +49,25 @@ SCORES = [[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]]
 
 
 def test_metrics_match_hand_computed_values():
-    assert ev.avg_at_k(SCORES, 1) == pytest.approx((1 + 0 + 1) / 3)
-    assert ev.avg_at_k(SCORES, 4) == pytest.approx((0.5 + 0 + 1) / 3)
-    assert ev.best_at_k(SCORES, 1) == pytest.approx(2 / 3)
-    assert ev.best_at_k(SCORES, 3) == pytest.approx(2 / 3)
-    assert ev.best_at_k([[0, 0, 1], [0, 0, 0]], 2) == 0.0
-    assert ev.best_at_k([[0, 0, 1], [0, 0, 0]], 3) == 0.5
+    assert evb.avg_at_k(SCORES, 1) == pytest.approx((1 + 0 + 1) / 3)
+    assert evb.avg_at_k(SCORES, 4) == pytest.approx((0.5 + 0 + 1) / 3)
+    assert evb.best_at_k(SCORES, 1) == pytest.approx(2 / 3)
+    assert evb.best_at_k(SCORES, 3) == pytest.approx(2 / 3)
+    assert evb.best_at_k([[0, 0, 1], [0, 0, 0]], 2) == 0.0
+    assert evb.best_at_k([[0, 0, 1], [0, 0, 0]], 3) == 0.5
     # prompt 1: n=4, c=2, k=2 -> 1 - C(2,2)/C(4,2) = 5/6; prompt 2: 0; prompt 3: 1
-    assert ev.pass_at_k(SCORES, 2) == pytest.approx((5 / 6 + 0 + 1) / 3)
+    assert evb.pass_at_k(SCORES, 2) == pytest.approx((5 / 6 + 0 + 1) / 3)
     # pass@1 is the mean accuracy over all samples
-    assert ev.pass_at_k(SCORES, 1) == pytest.approx(ev.avg_at_k(SCORES, 4))
+    assert evb.pass_at_k(SCORES, 1) == pytest.approx(evb.avg_at_k(SCORES, 4))
     # with n == k the unbiased estimator is best@k
-    assert ev.pass_at_k(SCORES, 4) == pytest.approx(ev.best_at_k(SCORES, 4))
-    assert ev.pass_at_k_one(30, 1, 30) == 1.0 and ev.pass_at_k_one(30, 0, 5) == 0.0
-    assert ev.pass_at_k_one(10, 3, 2) == pytest.approx(1 - (7 * 6) / (10 * 9))
-    assert ev.Metric.parse("best@30").compute([[0] * 29 + [1], [0] * 30]) == 0.5
+    assert evb.pass_at_k(SCORES, 4) == pytest.approx(evb.best_at_k(SCORES, 4))
+    assert evb.pass_at_k_one(30, 1, 30) == 1.0 and evb.pass_at_k_one(30, 0, 5) == 0.0
+    assert evb.pass_at_k_one(10, 3, 2) == pytest.approx(1 - (7 * 6) / (10 * 9))
+    assert evb.Metric.parse("best@30").compute([[0] * 29 + [1], [0] * 30]) == 0.5
     with pytest.raises(ev.EvalError, match="at least k samples"):
-        ev.avg_at_k(SCORES, 5)
+        evb.avg_at_k(SCORES, 5)
     with pytest.raises(ev.EvalError, match="avg@k, best@k or pass@k"):
-        ev.Metric.parse("mean@3")
+        evb.Metric.parse("mean@3")
 
 
 def test_benchmark_names_defaults_and_column_order(tmp_path):
@@ -76,7 +79,7 @@ def test_benchmark_names_defaults_and_column_order(tmp_path):
     assert str(by_key["aime25"].metric) == "best@30" and by_key["aime25"].n == 30
     assert str(by_key["math500"].metric) == "avg@1" and by_key["math500"].n == 1
     assert (str(by_key["amc23"].metric), by_key["amc23"].n) == ("pass@2", 4)
-    assert ev.bench_key("MATH-500") == "math500" and ev.bench_key("aime2025") == "aime25"
+    assert evb.bench_key("MATH-500") == "math500" and evb.bench_key("aime2025") == "aime25"
     with pytest.raises(ev.EvalError, match="fewer than the k"):
         ev.build_benchmarks(None, str(tmp_path), None, ["aime25=8"])
     with pytest.raises(ev.EvalError, match="not evaluated"):
@@ -92,7 +95,7 @@ class CannedGenerator:
 
     def __init__(self, plan: dict, calls: list):
         self.plan, self.calls = plan, calls
-        self.order = [k for k, _ in ev.BENCHMARKS]
+        self.order = [k for k, _ in evb.BENCHMARKS]
 
     def generate(self, prompts, n, temperature, seed):
         key = self.order.pop(0)
@@ -275,23 +278,23 @@ def test_shard_merging_rules_and_unsupported_layouts(tmp_path):
 
     def dt(parts, placements):
         full = torch.cat(parts, dim=placements[0].dim) if placements[0].is_shard() else parts[0]
-        return [types.SimpleNamespace(_local_tensor=p, placements=placements, shape=full.shape) for p in parts], full
+        return [types.SimpleNamespace(to_local=lambda p=p: p, placements=placements, shape=full.shape) for p in parts], full
 
     rows, rows_full = dt([torch.arange(6.0).view(2, 3), torch.arange(6.0, 9.0).view(1, 3)], (Shard(0),))
     cols, cols_full = dt([torch.ones(2, 1), torch.zeros(2, 2)], (Shard(1),))
     rep, rep_full = dt([torch.full((2,), 3.0), torch.full((2,), 3.0)], (Replicate(),))
     states = [{"a": rows[r], "_fsdp_wrapped_module.b": cols[r], "c": rep[r], "step": 1} for r in range(2)]
-    merged = ev.merge_shards(states)
+    merged = evc.merge_shards(states)
     assert set(merged) == {"a", "b", "c"}
     torch.testing.assert_close(merged["a"], rows_full)
     torch.testing.assert_close(merged["b"], cols_full)
     torch.testing.assert_close(merged["c"], rep_full)
 
     with pytest.raises(ev.EvalError, match="FSDP1 flat shards.*verl.model_merger"):
-        ev.merge_shards([{"w": torch.ones(2)}, {"w": torch.ones(2)}])
-    two_d = types.SimpleNamespace(_local_tensor=torch.ones(2), placements=(Replicate(), Shard(0)), shape=(4,))
+        evc.merge_shards([{"w": torch.ones(2)}, {"w": torch.ones(2)}])
+    two_d = types.SimpleNamespace(to_local=lambda: torch.ones(2), placements=(Replicate(), Shard(0)), shape=(4,))
     with pytest.raises(ev.EvalError, match="2-D device mesh.*verl.model_merger"):
-        ev.merge_shards([{"w": two_d}])
+        evc.merge_shards([{"w": two_d}])
 
     actor = tmp_path / "actor"
     (actor / "huggingface").mkdir(parents=True)
@@ -336,15 +339,15 @@ def test_gpu_groups_follow_tensor_parallel_size(monkeypatch):
 def test_shutdown_stops_the_engine_core():
     calls = []
     core = types.SimpleNamespace(shutdown=lambda: calls.append("core"))
-    ev.shutdown_vllm(types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=core, shutdown=lambda: calls.append("engine"))))
+    evg.shutdown_vllm(types.SimpleNamespace(llm_engine=types.SimpleNamespace(engine_core=core, shutdown=lambda: calls.append("engine"))))
     assert calls == ["core"]
-    ev.shutdown_vllm(types.SimpleNamespace(llm_engine=types.SimpleNamespace(shutdown=lambda: calls.append("engine"))))
+    evg.shutdown_vllm(types.SimpleNamespace(llm_engine=types.SimpleNamespace(shutdown=lambda: calls.append("engine"))))
     assert calls == ["core", "engine"]
-    ev.shutdown_vllm(None)  # nothing to stop
+    evg.shutdown_vllm(None)  # nothing to stop
 
 
 def test_checkpoints_in_their_own_processes_match_in_process(tmp_path, tiny_agent_paths):
-    bench = ev.Benchmark("gsm8k", _bench(tmp_path, "gsm8k"), ev.Metric("avg", 1), 1)
+    bench = ev.Benchmark("gsm8k", _bench(tmp_path, "gsm8k"), evb.Metric("avg", 1), 1)
     opts = ev.GenOptions(backend="hf", max_new_tokens=4, batch_size=2, device="cpu")
     checkpoints = [("a", tiny_agent_paths["qwen2-char-small"]), ("b", tiny_agent_paths["llama-pair-medium"])]
     logs: list[str] = []
@@ -364,7 +367,7 @@ def test_a_failing_checkpoint_process_is_one_line(tmp_path, tiny_agent_paths):
     shutil.copytree(tiny_agent_paths["qwen2-char-small"], broken)
     for weights in broken.glob("*.safetensors"):
         weights.write_bytes(b"not a safetensors file")
-    bench = ev.Benchmark("gsm8k", _bench(tmp_path, "gsm8k"), ev.Metric("avg", 1), 1)
+    bench = ev.Benchmark("gsm8k", _bench(tmp_path, "gsm8k"), evb.Metric("avg", 1), 1)
     opts = ev.GenOptions(backend="hf", max_new_tokens=2, device="cpu")
     with pytest.raises(ev.EvalError, match=r"^checkpoint broken: \w+") as err:
         ev.evaluate([("broken", str(broken))], [bench], str(tmp_path / "out"), opts, log=lambda m: None, gpus="0", isolate=True)

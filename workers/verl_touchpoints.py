@@ -15,8 +15,8 @@ Touchpoints (private or unversioned contracts):
    (`verl/workers/engine_workers.py`, naive checkpoint backend): the adapter is built as
    `cls(config=, model_config=, device_mesh=)` (plus `replica_rank=` from
    `CheckpointEngineWorker`), and called as `resume(tags=["weights"|"kv_cache"])`,
-   `update_weights(per_tensor_param, peft_config=, base_sync_done=, global_steps=)`,
-   `release()`. Ranks are read from the `RANK` env var set by verl's `Worker`.
+   `update_weights(per_tensor_param, peft_config=, base_sync_done=, global_steps=)`;
+   `release()` is abstract in `BaseRollout` but not called by verl 0.9.1. Ranks are read from the `RANK` env var set by verl's `Worker`.
 3. Server call surface expected from a rollout server actor by
    `verl/workers/rollout/llm_server.py::LLMServerClient.generate` (`generate(request_id=,
    prompt_ids=, sampling_params=, image_data=, video_data=, ...) -> TokenOutput`) and by
@@ -38,13 +38,9 @@ Touchpoints (private or unversioned contracts):
    that owns its worker class can avoid it by calling
    `torch.distributed.init_process_group("cpu:gloo", ...)` before verl's worker `__init__`
    (verl skips initialisation when a default group exists).
-6. `verl/workers/rollout/replica.py::RolloutReplicaRegistry._registry` (private) is read by
-   `hf_rollout_registered` for diagnostics only.
-7. `verl/experimental/reward_loop/reward_loop.py::RewardLoopManager._init_reward_loop_workers`
-   (private) names its actors `reward_loop_worker_{i}`, so a second manager in the job
-   collides. Sharing one manager is wrong for heterogeneous agents: each `RewardLoopWorker`
-   decodes response token ids with `config.actor_rollout_ref.model`'s tokenizer.
-   `AgentRewardLoopManager` overrides that method to name the workers per agent.
+Numbers 6 and 7 are retired (a diagnostic read of `RolloutReplicaRegistry._registry` and a
+per-agent `RewardLoopManager`, neither used: the trainer scores rewards itself, `scoring.py`);
+the other numbers stay as they are cited elsewhere.
 8. vLLM naming hooks (`rollout.name=vllm`, registered over verl's own entries; `workers/vllm_rollout.py`):
    `verl/workers/rollout/vllm_rollout/vllm_async_server.py::vLLMReplica._get_server_name_prefix`
    (read by `launch_servers`) and `vLLMReplica.server_class` (set in `__init__`);
@@ -68,6 +64,18 @@ Touchpoints (private or unversioned contracts):
    `use_gpu`, `accelerator_type`, `detached` and `pgs`, waits with a timeout, and sorts them
    with verl's `sort_placement_group_by_node_ip`.
 
+Couplings that live outside this module, because they are the subclass or the data they
+concern (each with a contract test in tests/test_verl_touchpoints.py):
+
+| # | where | relies on (verl 0.9.1) |
+|---|-------|------------------------|
+| 10 | `workers/hacpo_worker.py::HacpoTrainingWorker` | `verl/workers/engine_workers.py::TrainingWorker.train_mini_batch` calls `self.train_batch(data)` once per mini-batch (the update index m of stepwise clipping); checked at run time as well |
+| 11 | `workers/hacpo_loss.py::hacpo_actor_loss` | micro-batch non-tensor keys `dp_size`, `batch_num_tokens` (set in `verl/workers/engine/fsdp/transformer_impl.py::FSDPEngine.forward_backward_batch`) and `global_batch_size`, read as verl's own `verl/workers/utils/losses.py::ppo_loss` reads them |
+| 11 | `recipe_hacpo/agent_runtime.py` (update_actor) | the non-tensor keys of a training batch (`calculate_entropy`, `global_batch_size`, `mini_batch_size`, `epochs`, `seed`, `dataloader_kwargs`, `compute_loss`, `distillation_*`) as `verl/trainer/ppo/ray_trainer.py` sets them |
+| 12 | `recipe_hacpo/evaluation/checkpoints.py` | `verl/utils/checkpoint/fsdp_checkpoint_manager.py::FSDPCheckpointManager.save_checkpoint` layout: `model_world_size_{W}_rank_{R}.pt` and `huggingface/`; the names live here (`FSDP_SHARD_GLOB`, `FSDP_SHARD_RE`, `fsdp_shard_name`, `CHECKPOINT_HF_SUBDIR`) |
+| 13 | `workers/hf_rollout.py::HFReplica.launch_servers` | `verl/workers/rollout/replica.py::RolloutReplica.server_handle` / `server_address` return the private `_server_handle` / `_server_address`, which a replica subclass must set (verl's own replicas do the same) |
+| 14 | `recipe_hacpo/exchange.py` | the batch layout `verl/experimental/agent_loop/agent_loop.py::AgentLoopWorker._postprocess` produces (documented there) |
+
 Public registrations done from here as well, to keep all of verl's registries in one file:
 `verl/workers/rollout/replica.py::RolloutReplicaRegistry.register` (public classmethod) and
 `verl/workers/engine/base.py::EngineRegistry.register`: verl registers its FSDP engines
@@ -78,6 +86,18 @@ for devices "cuda" and "npu" only; `register_cpu_engines` adds "cpu" for the sam
 from __future__ import annotations
 
 import functools
+import re
+
+# Touchpoint 12: verl's FSDP checkpoint layout, read by `recipe_hacpo.evaluation.checkpoints`.
+CHECKPOINT_HF_SUBDIR = "huggingface"
+FSDP_SHARD_GLOB = "model_world_size_*_rank_*.pt"
+FSDP_SHARD_RE = re.compile(r"model_world_size_(\d+)_rank_(\d+)\.pt$")
+
+
+def fsdp_shard_name(world_size: int, rank: int) -> str:
+    """File name of one rank's model shard, as `FSDPCheckpointManager.save_checkpoint` writes it."""
+    return f"model_world_size_{world_size}_rank_{rank}.pt"
+
 
 HF_BACKEND = "hf"
 HF_ADAPTER_FQN = "recipe_hacpo.workers.hf_rollout.HFServerAdapter"
@@ -128,14 +148,6 @@ def register_hacpo_vllm_rollout() -> None:
 
     RolloutReplicaRegistry.register(VLLM_BACKEND, _load_vllm_replica)
     rollout_base._ROLLOUT_REGISTRY[(VLLM_BACKEND, "async")] = VLLM_ADAPTER_FQN
-
-
-def hf_rollout_registered() -> bool:
-    """Both halves of the hf backend are visible to verl in this process."""
-    from verl.workers.rollout import base as rollout_base
-    from verl.workers.rollout.replica import RolloutReplicaRegistry
-
-    return HF_BACKEND in RolloutReplicaRegistry._registry and (HF_BACKEND, "async") in rollout_base._ROLLOUT_REGISTRY
 
 
 def dedupe_backend_string(backend):
@@ -191,41 +203,6 @@ def register_cpu_engines() -> None:
             pass
 
 
-def _agent_reward_loop_manager_cls():
-    """Build `AgentRewardLoopManager` on first use (its base class pulls in the reward stack)."""
-    from verl.experimental.reward_loop import RewardLoopManager
-
-    class AgentRewardLoopManager(RewardLoopManager):
-        """verl's RewardLoopManager with per-agent worker names (touchpoint 7).
-
-        Build one per agent from that agent's full config (its `actor_rollout_ref.model`
-        supplies the tokenizer the workers decode with) and pass its
-        `reward_loop_worker_handles` to that agent's AgentLoopManager.
-        """
-
-        def __init__(self, config, rm_resource_pool=None, agent_name: str | None = None):
-            from recipe_hacpo.workers.hf_rollout import agent_name_of
-
-            self.agent_name = agent_name or agent_name_of(config.actor_rollout_ref.rollout) or "agent"
-            super().__init__(config, rm_resource_pool)
-
-        def _init_reward_loop_workers(self):
-            import ray
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-            nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) > 0]
-            self.reward_loop_workers = [
-                self.reward_loop_workers_class.options(
-                    name=f"reward_loop_worker_{self.agent_name}_{i}",
-                    # spread over nodes; soft so a busy node does not block start-up
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=nodes[i % len(nodes)], soft=True),
-                ).remote(self.config, self.reward_router_address)
-                for i in range(self.config.reward.num_workers)
-            ]
-
-    return AgentRewardLoopManager
-
-
 def _timed_resource_pool_cls():
     """Build `TimedResourcePool` on first use (touchpoint 9)."""
     import ray
@@ -279,13 +256,13 @@ def _timed_resource_pool_cls():
     return TimedResourcePool
 
 
-_LAZY = {"AgentRewardLoopManager": _agent_reward_loop_manager_cls, "TimedResourcePool": _timed_resource_pool_cls}
+_LAZY = {"TimedResourcePool": _timed_resource_pool_cls}
 _BUILT: dict = {}
 
 
 def __getattr__(name: str):
     # Lazy module attribute: importing this module (done by the plugin on `import verl`)
-    # must not import verl's reward stack.
+    # must not import Ray's placement API.
     if name in _LAZY:
         if name not in _BUILT:
             _BUILT[name] = _LAZY[name]()

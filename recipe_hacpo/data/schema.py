@@ -183,25 +183,18 @@ def _check_prompt(value: Any):
             return f"[{j}].role", "missing"
         if role not in ROLES:
             return f"[{j}].role", f"is {role!r}, not one of {', '.join(ROLES)}"
-        if _is_missing(content):
-            return f"[{j}].content", "missing"
-        if not isinstance(content, str):
-            return f"[{j}].content", f"has type {type(content).__name__}"
-        if not content.strip():
-            return f"[{j}].content", "is empty"
+        problem = _text_problem(content, f"[{j}].content")
+        if problem:
+            return problem
     return None
 
 
 def _check_reward_model(value: Any):
     if not isinstance(value, dict):
         return "", f"has type {type(value).__name__}"
-    truth = value.get("ground_truth")
-    if _is_missing(truth):
-        return ".ground_truth", "missing"
-    if not isinstance(truth, str):
-        return ".ground_truth", f"has type {type(truth).__name__}"
-    if not truth.strip():
-        return ".ground_truth", "is empty"
+    problem = _text_problem(value.get("ground_truth"), ".ground_truth")
+    if problem:
+        return problem
     style = value.get("style")
     if style != "rule":
         return ".style", "missing" if _is_missing(style) else f"is {style!r}"
@@ -216,11 +209,17 @@ def _check_extra_info(value: Any):
         return ".index", "missing"
     if isinstance(index, bool) or not _is_integer(index):
         return ".index", f"has type {type(index).__name__}"
-    split = value.get("split")
-    if _is_missing(split):
-        return ".split", "missing"
-    if not isinstance(split, str):
-        return ".split", f"has type {type(split).__name__}"
+    return _text_problem(value.get("split"), ".split", allow_empty=True)
+
+
+def _text_problem(value: Any, where: str, allow_empty: bool = False):
+    """(where, problem) when `value` is not a string (or is blank, unless `allow_empty`); else None."""
+    if _is_missing(value):
+        return where, "missing"
+    if not isinstance(value, str):
+        return where, f"has type {type(value).__name__}"
+    if not allow_empty and not value.strip():
+        return where, "is empty"
     return None
 
 

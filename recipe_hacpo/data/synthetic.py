@@ -5,7 +5,7 @@ Kinds (the prompt is one user message holding only the problem text):
     add1   single digits with a one-digit sum:  "3+5="       -> "8"
            55 distinct problems, so random guessing earns some reward (tiny-model smoke tests).
     add3   zero-padded 3-digit addition:        "0123+0456=" -> "0579"
-           the CPU benchmark task of MINIATURE.md; rows are distinct within a split.
+           the task of the CPU benchmark (benchmarks/miniature.py); rows are distinct within a split.
 
 Train and test are disjoint by construction: a problem belongs to the test split iff the
 SHA-256 of its text falls in the first `TEST_PERMILLE` of 1000 buckets, whatever the seed.
