@@ -132,16 +132,6 @@ def machine() -> str:
             f"Python {platform.python_version()}{load}")
 
 
-def reward_override() -> list[str]:
-    """Use the package's reward when it exists; otherwise the exact-match stand-in next to this file."""
-    try:
-        import recipe_hacpo.reward.math_reward  # noqa: F401
-
-        return []
-    except ImportError:
-        return [f"reward.custom_reward_function.path={os.path.join(REPO, 'benchmarks', 'arith_reward.py')}"]
-
-
 def mean_std(values: list[float]) -> tuple[float, float]:
     if not values:
         return float("nan"), float("nan")
@@ -244,7 +234,6 @@ def run_overrides(arm: Arm, seed: int, agents: list[dict], setup: Setup, run_dir
         f"trainer.default_local_dir={run_dir}/ckpt",
         f"trainer.experiment_name={os.path.basename(run_dir)}",
         f"hydra.run.dir={run_dir}/hydra",
-        *reward_override(),
     ]
     return ov
 

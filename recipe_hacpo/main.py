@@ -49,8 +49,6 @@ def start_ray(cfg: DictConfig) -> None:
         return
     runtime_env = OmegaConf.merge(get_ppo_ray_runtime_env(), cfg.ray_kwargs.ray_init.get("runtime_env", {}))
     env_vars = dict(runtime_env.get("env_vars", {}))
-    # workers must import this package's verl plugins exactly as the driver does
-    env_vars.setdefault("HACPO_DEVICE", str(cfg.trainer.device))
     if os.environ.get("HACPO_VERBOSE"):
         env_vars.setdefault("HACPO_VERBOSE", os.environ["HACPO_VERBOSE"])  # recipe_hacpo.quiet
     runtime_env["env_vars"] = {k: str(v) for k, v in env_vars.items()}

@@ -54,7 +54,7 @@ def train_steps(records: list[dict]) -> dict[int, dict]:
 
 def checkpoint_weights(path: str) -> dict[str, torch.Tensor]:
     state = torch.load(os.path.join(path, "actor", "model_world_size_1_rank_0.pt"), weights_only=False)
-    return {k: (v._local_tensor if hasattr(v, "_local_tensor") else v).float() for k, v in state.items()}
+    return {k: (v.to_local() if hasattr(v, "to_local") else v).float() for k, v in state.items()}
 
 
 def assert_weights_changed(model_dir: str, ckpt_agent_dir: str) -> None:

@@ -911,8 +911,8 @@ def test_e2e_sigkill_mid_rollout_and_mid_update_then_resume_reproduces_the_unint
         theirs = torch.load(os.path.join(reference, "ckpt", actor), weights_only=False)
         assert ours.keys() == theirs.keys()
         for key in ours:
-            a = getattr(ours[key], "_local_tensor", ours[key])
-            b = getattr(theirs[key], "_local_tensor", theirs[key])
+            a = ours[key].to_local() if hasattr(ours[key], "to_local") else ours[key]
+            b = theirs[key].to_local() if hasattr(theirs[key], "to_local") else theirs[key]
             assert torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-8), (name, key, context)
 
 

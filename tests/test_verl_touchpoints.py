@@ -156,6 +156,11 @@ def test_engine_registry_register_signature():
     params = _params(EngineRegistry.register)
     _contract("registration (EngineRegistry.register)", params[:3] == ["model_type", "backend", "device"],
               f"EngineRegistry.register takes {params}")
+    # register_cpu_engines reads the registry's table to register only what is missing
+    engines = getattr(EngineRegistry, "_engines", None)
+    _contract("registration (EngineRegistry._engines)",
+              isinstance(engines, dict) and isinstance(engines.get("language_model", {}).get("fsdp2"), dict),
+              "EngineRegistry._engines is no longer {model_type: {backend: {device: engine}}}")
 
 
 def test_10_update_index_hook_one_train_batch_per_mini_batch():

@@ -41,9 +41,6 @@ from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica
 from verl.workers.rollout.utils import ensure_async_iterator
 
-# re-exported for the GPU backend (`vllm_rollout`) until it imports `rollout_naming` itself
-agent_name_of = rollout_naming.agent_name_of
-
 logger = logging.getLogger(__name__)
 logger.setLevel(os.getenv("VERL_LOGGING_LEVEL", "WARN"))
 

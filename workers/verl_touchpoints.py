@@ -197,10 +197,12 @@ def register_cpu_engines() -> None:
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead, FSDPEngineWithValueHead
 
     for model_type, engine_cls in (("language_model", FSDPEngineWithLMHead), ("value_model", FSDPEngineWithValueHead)):
-        try:
-            EngineRegistry.register(model_type=model_type, backend=["fsdp", "fsdp2"], device="cpu")(engine_cls)
-        except AssertionError:  # already registered in this process
-            pass
+        # verl asserts on a second registration of a key; register only what this process lacks
+        # (an explicit check: an `assert` would vanish under `python -O`)
+        registered = EngineRegistry._engines.get(model_type, {})
+        missing = [b for b in ("fsdp", "fsdp2") if "cpu" not in registered.get(b, {})]
+        if missing:
+            EngineRegistry.register(model_type=model_type, backend=missing, device="cpu")(engine_cls)
 
 
 def _timed_resource_pool_cls():

@@ -54,7 +54,7 @@ import os
 import re
 from typing import Any
 
-from recipe_hacpo.workers.hf_rollout import agent_name_of
+from recipe_hacpo.workers.rollout_naming import agent_name_of
 
 BACKEND_NAME = "vllm"
 VERL_SERVER_PREFIX = "vllm_"
