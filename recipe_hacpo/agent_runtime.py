@@ -168,7 +168,7 @@ class AgentRuntime:
         actor = self.config.actor_rollout_ref.actor
         mini_prompts = int(actor.ppo_mini_batch_size)
         mini_rows = mini_prompts * rows_per_prompt
-        seed = int(actor.get("data_loader_seed", 42) or 42)
+        seed = int(actor.data_loader_seed)  # verl's key (its default 42); 0 is a seed like any other
         if bool(batch.batch[K.IS_CROSS].any()):
             # isolated learners keep verl's row order (prompt groups are already contiguous)
             order = mini_batch_order(

@@ -181,7 +181,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
                 f"agents[{s.index}].model_path={s.model_path!r} ({s.name}): not a local directory with config.json "
                 "and not found in the local Hugging Face cache; download it first or fix the path"
             )
-    reward_timeout = float(cfg.trainer.get("reward_timeout_s", 30))
+    reward_timeout = float(cfg.trainer.reward_timeout_s)  # default in hacpo_base.yaml
     if not reward_timeout > 0:
         raise ConfigError(f"trainer.reward_timeout_s={reward_timeout}: must be > 0 (seconds one reward call may take)")
     if hacpo.shares and len(specs) < 2:

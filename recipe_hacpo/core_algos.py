@@ -1,7 +1,7 @@
 """HACPO's algorithm core: capability tracking, the capability-aware advantage and the loss.
 
 Pure torch/numpy (no Ray, no GPU, no verl import), so it can be checked in isolation and
-called from verl's worker processes. Every function names the section of HACPO_SPEC it
+called from verl's worker processes. Every function names the section of docs/ALGORITHM.md it
 implements and uses the paper's symbols:
 
     k        learner agent;  j = src(i) the agent that generated response i

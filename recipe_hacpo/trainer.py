@@ -33,6 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.agent_runtime import AgentRuntime
+from recipe_hacpo.atomic_io import atomic_write_text, replace_dir
 from recipe_hacpo.config import AgentSpec, HacpoSettings, agent_verl_config
 from recipe_hacpo.core_algos import (
     CapabilityTracker,
@@ -55,6 +56,7 @@ from recipe_hacpo.reliability import (
 )
 from recipe_hacpo.scoring import Verifier, attach_rewards, load_reward_fn
 from verl import DataProto
+from verl.utils.profiler.performance import simple_timer
 
 T = TypeVar("T")
 
@@ -78,7 +80,7 @@ class HacpoTrainer:
         self.global_step = 0
         self.agent_timing: dict[str, float] = {}
         self._worker_processes: dict[str, list[str]] | None = None
-        self.verifier = Verifier(load_reward_fn(config), timeout_s=float(config.trainer.get("reward_timeout_s", 30)))
+        self.verifier = Verifier(load_reward_fn(config), timeout_s=float(config.trainer.reward_timeout_s))
         self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(specs)), thread_name_prefix="hacpo-agent")
 
     # ================================================================== set-up
@@ -180,7 +182,7 @@ class HacpoTrainer:
         @contextmanager
         def phase(name: str):
             self._announce(name)
-            with _timer(name, timing):
+            with simple_timer(name, timing):  # adds to timing[name]; each phase runs once a step
                 yield
 
         return phase
@@ -197,7 +199,7 @@ class HacpoTrainer:
             if self._worker_processes is None:
                 self._worker_processes = {n: a.worker_processes() for n, a in self.agents.items()}
             record = {"step": self.global_step, "phase": phase, "time": time.time(), "workers": self._worker_processes}
-            _atomic_write(str(path), json.dumps(record))
+            atomic_write_text(str(path), json.dumps(record))
 
     def _prompt_batch(self, batch_dict: dict) -> DataProto:
         prompts = DataProto.from_single_dict(batch_dict)
@@ -367,10 +369,8 @@ class HacpoTrainer:
             "numpy_rng": np.random.get_state(),
         }
         torch.save(state, os.path.join(tmp, STATE_FILE))
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        _fsync_dir(self.checkpoint_root)
-        _atomic_write(os.path.join(self.checkpoint_root, LATEST_FILE), str(self.global_step))
+        replace_dir(tmp, final)
+        atomic_write_text(os.path.join(self.checkpoint_root, LATEST_FILE), str(self.global_step))
         return final
 
     def load_checkpoint(self) -> bool:
@@ -509,16 +509,3 @@ def _concat_rows(parts: list[DataProto]) -> DataProto:
             if k not in keys:
                 t.non_tensor_batch.pop(k)
     return DataProto.concat(trimmed)
-
-
-@contextmanager
-def _timer(name: str, timing: dict):
-    start = time.perf_counter()
-    yield
-    timing[name] = time.perf_counter() - start
-
-
-# One implementation for the package (recipe_hacpo.atomic_io); the names stay for the callers above.
-from recipe_hacpo.atomic_io import atomic_write_text as _atomic_write  # noqa: E402
-from recipe_hacpo.atomic_io import fsync_dir as _fsync_dir  # noqa: E402
-

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# HACPO: Llama-3.2-1B-Instruct + Llama-3.2-3B-Instruct (paper setup, HACPO_SPEC §9: α 1.0, lower bound 0.9, δ_step 0.01).
+# HACPO: Llama-3.2-1B-Instruct + Llama-3.2-3B-Instruct (paper setup, docs/REPRODUCE.md: α 1.0, lower bound 0.9, δ_step 0.01).
 #
 #   HACPO_MODEL_A=/models/Llama-3.2-1B-Instruct HACPO_MODEL_B=/models/Llama-3.2-3B-Instruct \
 #   HACPO_DATA_DIR=data/paper bash run_scripts/pair_llama3p2-1b-instruct_llama3p2-3b-instruct.sh [hydra overrides...]

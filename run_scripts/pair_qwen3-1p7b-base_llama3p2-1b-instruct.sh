@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# HACPO: Qwen3-1.7B-Base + Llama-3.2-1B-Instruct (paper setup, HACPO_SPEC §9: α 1.0, lower bound 0.8, δ_step 0.025).
+# HACPO: Qwen3-1.7B-Base + Llama-3.2-1B-Instruct (paper setup, docs/REPRODUCE.md: α 1.0, lower bound 0.8, δ_step 0.025).
 #
 #   HACPO_MODEL_A=/models/Qwen3-1.7B-Base HACPO_MODEL_B=/models/Llama-3.2-1B-Instruct \
 #   HACPO_DATA_DIR=data/paper bash run_scripts/pair_qwen3-1p7b-base_llama3p2-1b-instruct.sh [hydra overrides...]

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# HACPO: Qwen3-4B-Base + Llama-3.2-3B-Instruct (paper setup, HACPO_SPEC §9: α 1.0, lower bound 0.8, δ_step 0.025).
+# HACPO: Qwen3-4B-Base + Llama-3.2-3B-Instruct (paper setup, docs/REPRODUCE.md: α 1.0, lower bound 0.8, δ_step 0.025).
 #
 #   HACPO_MODEL_A=/models/Qwen3-4B-Base HACPO_MODEL_B=/models/Llama-3.2-3B-Instruct \
 #   HACPO_DATA_DIR=data/paper bash run_scripts/pair_qwen3-4b-base_llama3p2-3b-instruct.sh [hydra overrides...]

@@ -1,5 +1,5 @@
 """The `algorithm.hacpo` keys that make the recipe run HACPO as the paper's authors ran it
-(HACPO_SPEC §2 baseline guard, §4 cross-ratio length): defaults, null, and rejected values."""
+(docs/ALGORITHM.md §2 baseline guard, §4 cross-ratio length): defaults, null, and rejected values."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Every model-pair preset composes and validates against 8 GPUs without any GPU: the
-paper's setup (HACPO_SPEC §9) with its per-pair α / lower bound / δ_step, agents, resource
+paper's setup (docs/REPRODUCE.md) with its per-pair α / lower bound / δ_step, agents, resource
 pools against the GPUs, and batch divisibility."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from recipe_hacpo.config import ConfigError, agent_verl_config, validate
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
-# pair -> (α, lower bound 1 − δ, δ_step, agent A hub id, agent B hub id), HACPO_SPEC §9
+# pair -> (α, lower bound 1 − δ, δ_step, agent A hub id, agent B hub id), docs/REPRODUCE.md
 PAPER = {
     "qwen3-4b_qwen3-4b-instruct": (3.0, 0.8, 0.01, "Qwen/Qwen3-4B", "Qwen/Qwen3-4B-Instruct-2507"),
     "qwen3-1p7b-base_qwen3-4b-base": (1.0, 0.8, 0.025, "Qwen/Qwen3-1.7B-Base", "Qwen/Qwen3-4B-Base"),
@@ -171,7 +171,7 @@ def test_cfg_job_through_the_entry_point():
 
 
 # method -> (mode, loss_mode, clip low/high, samples per prompt and agent, rollouts per update,
-# updates per 128-prompt step), HACPO_SPEC §5 and §8: every method trains on 512 rollouts an update
+# updates per 128-prompt step), docs/ALGORITHM.md §5 and its baselines: every method trains on 512 rollouts an update
 METHODS = {
     None: ("hacpo", "gspo", (3e-4, 4e-4), 8, 512, 4),  # the preset as it is
     "hacpo": ("hacpo", "gspo", (3e-4, 4e-4), 8, 512, 4),
