@@ -59,3 +59,24 @@ def test_demo_script_order_and_a_valid_trainer_config(tmp_path):
     assert cfg.data.train_files.endswith("arith_add3_train.parquet")
     assert cfg.trainer.val_before_train and "file" in cfg.trainer.logger
     assert hacpo.mode == "hacpo"
+
+
+def test_demo_starts_from_the_shipped_warm_starts_unless_asked_to_retrain(tmp_path):
+    from recipe_hacpo.warm_start import WarmStartArgs, _record, load_record
+
+    _run_script(tmp_path)
+    agents = sorted(os.listdir(tmp_path / "agents"))
+    assert agents == ["llama-pair-medium_add3_1200_s0", "qwen2-char-small_add3_1500_s0"]
+    for name, kind, steps in (("qwen2-char-small_add3_1500_s0", "qwen2-char-small", 1500),
+                              ("llama-pair-medium_add3_1200_s0", "llama-pair-medium", 1200)):
+        shipped = load_record(str(REPO / "data" / "demo_agents" / name))
+        # the shipped record matches what the script asks warm_start for, so it is reused as is
+        wanted = _record(WarmStartArgs(kind=kind, task="add3", steps=steps))
+        assert {k: shipped.get(k) for k in wanted} == wanted
+        assert load_record(str(tmp_path / "agents" / name)) == shipped
+        assert (tmp_path / "agents" / name / "model.safetensors").is_file()
+
+    retrain = tmp_path / "retrain"
+    retrain.mkdir()
+    _run_script(retrain, env={"HACPO_DEMO_RETRAIN": "1"})
+    assert not (retrain / "agents").exists()
