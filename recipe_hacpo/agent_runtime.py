@@ -263,6 +263,9 @@ _AGENT_LOOP_BOOKKEEPING = (
 
 
 def _mean_metrics(metrics: dict) -> dict[str, float]:
+    """One value per key from the worker's per-mini-batch metrics: the mean over the step's
+    updates, except `*_min` / `*_max`, which stay a min / max (a key whose every value is an
+    infinite placeholder, e.g. a cross-ratio min in a step without cross rows, is left out)."""
     out = {}
     for key, value in metrics.items():
         values = value if isinstance(value, list) else [value]
@@ -275,7 +278,13 @@ def _mean_metrics(metrics: dict) -> dict[str, float]:
                 flat.append(float(v))
             except (TypeError, ValueError):
                 continue
-        if flat:
+        if not flat:
+            continue
+        if key.endswith(("_min", "_max")):
+            finite = [v for v in flat if np.isfinite(v)]
+            if finite:
+                out[key] = float(min(finite) if key.endswith("_min") else max(finite))
+        else:
             out[key] = float(np.mean(flat))
     return out
 

@@ -126,7 +126,11 @@ def hacpo_actor_loss(
         )
     # HACPO is defined with seq-mean-token-mean (spec §6) whatever actor.loss_agg_mode says.
     pg_loss = agg_loss(loss_mat, response_mask, "seq-mean-token-mean", **batch_info)
-    metrics = Metric.from_dict(pg_metrics, aggregation=AggregationType.MEAN)
+    metrics = {key: Metric(value=value, aggregation=_aggregation_of(key)) for key, value in pg_metrics.items()}
+    if not bool(padded[K.IS_CROSS].any()):
+        # no cross row in this micro-batch: neutral values, so min/max over the step stay honest
+        metrics["hacpo/cross_ratio_min"] = Metric(value=float("inf"), aggregation=AggregationType.MIN)
+        metrics["hacpo/cross_ratio_max"] = Metric(value=float("-inf"), aggregation=AggregationType.MAX)
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=aggregation)
     total = pg_loss
 
@@ -149,6 +153,18 @@ def hacpo_actor_loss(
             "check rewards and log-probs of this batch"
         )
     return total, metrics
+
+
+def _aggregation_of(key: str):
+    """`*_min` / `*_max` metrics are a min / max over micro-batches and ranks (verl's `Metric`
+    does both); everything else is a mean."""
+    from verl.utils.metric import AggregationType
+
+    if key.endswith("_min"):
+        return AggregationType.MIN
+    if key.endswith("_max"):
+        return AggregationType.MAX
+    return AggregationType.MEAN
 
 
 def _clip(actor_config, side: str) -> float:
