@@ -32,14 +32,15 @@ if [[ $name == python && ${1:-} == *wait_for_ray.py ]]; then
         sleep 0.1
     done
 fi
-{
+# the whole line in one write: background steps (`srun ... &`) append to the same log at once
+line=$(
     printf '%s' "$name"
     printf '\x1f%s' "$@"
     printf '\x1e'
     printf '%s\x1f' "${RAY_ADDRESS:-}" "${PLACEMENT:-}" "${PRESET:-}" "${HACPO_MODEL_A:-}" "${HACPO_DATA_DIR:-}" \
         "${HF_HUB_OFFLINE:-}"
-    printf '\n'
-} >>"$STANDIN_LOG"
+)
+printf '%s\n' "$line" >>"$STANDIN_LOG"
 case $name in
     scontrol) [[ $1 == show && $2 == hostnames ]] && tr ' ' '\n' <<<"$STANDIN_HOSTS" ;;
 esac
