@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 import textwrap
@@ -24,6 +23,7 @@ import pytest
 import torch
 
 from recipe_hacpo import tiny_agents
+from console_log import parse_console_steps
 
 TINY_KIND = "qwen2-char-small"
 
@@ -490,19 +490,6 @@ def _write_parquet(path: str, n: int, split: str) -> None:
     pd.DataFrame(rows).to_parquet(path)
 
 
-_STEP_LINE = re.compile(r"step:(\d+) - (.*)")
-_METRIC = re.compile(r"([\w/@.\-]+):(?:np\.\w+\()?(-?(?:\d+\.?\d*(?:e[+-]?\d+)?|nan|inf))")
-
-
-def _parse_steps(log: str) -> dict[int, dict[str, float]]:
-    steps: dict[int, dict[str, float]] = {}
-    for line in log.splitlines():
-        match = _STEP_LINE.search(line)
-        if match:
-            steps[int(match.group(1))] = {k: float(v) for k, v in _METRIC.findall(match.group(2))}
-    return steps
-
-
 def _load_safetensors(path: str) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
@@ -540,7 +527,7 @@ def test_main_ppo_trains_two_gspo_steps_with_hf_rollout(tmp_path, tiny_model_pat
     log = proc.stdout
     assert proc.returncode == 0, log[-6000:]
 
-    steps = _parse_steps(log)
+    steps = parse_console_steps(log)
     assert set(steps) >= {1, 2}, log[-4000:]
     for step in (1, 2):
         m = steps[step]

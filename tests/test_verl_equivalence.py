@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import textwrap
 
 import pytest
+from console_log import parse_console_steps
 
 pytestmark = [pytest.mark.ray, pytest.mark.e2e]
 
@@ -62,18 +62,6 @@ COMMON = [
     "trainer.save_freq=-1",
 ]
 
-_STEP_LINE = re.compile(r"step:(\d+) - (.*)")
-_METRIC = re.compile(r"([\w/@.\-]+):(?:np\.\w+\()?(-?(?:\d+\.?\d*(?:e[+-]?\d+)?|nan|inf))")
-
-
-def _console_steps(log: str) -> dict[int, dict[str, float]]:
-    steps: dict[int, dict[str, float]] = {}
-    for line in log.splitlines():
-        match = _STEP_LINE.search(line)
-        if match:
-            steps[int(match.group(1))] = {k: float(v) for k, v in _METRIC.findall(match.group(2))}
-    return steps
-
 
 def _run(cmd: list[str], cwd: str, extra_env: dict | None = None, timeout: int = 240) -> str:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "VERL_FILE_LOGGER_PATH")}
@@ -110,7 +98,7 @@ def test_isolated_recipe_equals_verl_main_ppo_first_step(tmp_path, tiny_agent_pa
          f"hydra.run.dir={verl_dir}/hydra", "+ray_kwargs.ray_init.address=local"],
         cwd=str(verl_dir),
     )
-    verl_step = _console_steps(verl_log)[1]
+    verl_step = parse_console_steps(verl_log)[1]
 
     # the recipe, one agent, no sharing
     ours_dir = tmp_path / "ours"
