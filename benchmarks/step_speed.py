@@ -2,7 +2,7 @@
 
     python benchmarks/step_speed.py --baseline 8a0c8d0 --steps 14 --rounds 2 --work /tmp/step_speed
 
-Runs the miniature benchmark's HACPO configuration (`miniature.run_overrides`: pair `model`,
+Runs the miniature benchmark's HACPO configuration (`mini.runs.run_overrides`: pair `model`,
 16 prompts/step, G = 8, lr 1e-4, seed 0) for `--steps` steps, alternating baseline and
 current (baseline, current, baseline, current, ...), one process and Ray session per run.
 The baseline is the package exported from `--baseline` with `git archive` into
@@ -31,7 +31,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 sys.path.insert(0, REPO)
 
-import miniature as m  # noqa: E402
+from mini.agents import warm_agents  # noqa: E402
+from mini.arms import ARMS  # noqa: E402
+from mini.common import DATA_DIR, log, machine  # noqa: E402
+from mini.report import PHASES  # noqa: E402
+from mini.runs import Setup, run_overrides  # noqa: E402
 
 # run in the baseline's processes only (Ray workers included, through PYTHONPATH): drop the
 # editable-install finder so that `recipe_hacpo` resolves to the exported tree
@@ -56,29 +60,29 @@ def export_baseline(commit: str, dest: str) -> str:
     return pkg
 
 
-def run(name: str, cwd: str, extra_env: dict, agents: list[dict], setup: m.Setup, run_dir: str) -> dict:
+def run(name: str, cwd: str, extra_env: dict, agents: list[dict], setup: Setup, run_dir: str) -> dict:
     os.makedirs(run_dir, exist_ok=True)
     metrics_file = os.path.join(run_dir, "metrics.jsonl")
     if os.path.exists(metrics_file):
         os.remove(metrics_file)
-    overrides = m.run_overrides(m.ARMS["hacpo"], 0, agents, setup, run_dir, first=False)
+    overrides = run_overrides(ARMS["hacpo"], 0, agents, setup, run_dir, first=False)
     cmd = [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", *overrides]
-    env = dict(os.environ, VERL_FILE_LOGGER_PATH=metrics_file, HACPO_DATA_DIR=m.DATA_DIR, **extra_env)
+    env = dict(os.environ, VERL_FILE_LOGGER_PATH=metrics_file, HACPO_DATA_DIR=DATA_DIR, **extra_env)
     start = time.perf_counter()
-    with open(os.path.join(run_dir, "log.txt"), "w") as log:
-        rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    with open(os.path.join(run_dir, "log.txt"), "w") as log_file:
+        rc = subprocess.run(cmd, cwd=cwd, env=env, stdout=log_file, stderr=subprocess.STDOUT).returncode
     wall = time.perf_counter() - start
     if rc != 0:
         raise RuntimeError(f"{name} run failed (rc {rc}); see {run_dir}/log.txt")
     with open(metrics_file) as f:
         steps = [r["data"] for r in map(json.loads, filter(str.strip, f)) if "training/global_step" in r["data"]]
-    m.log(f"{name}: {len(steps)} steps, wall {wall:.0f}s, load average {os.getloadavg()}")
+    log(f"{name}: {len(steps)} steps, wall {wall:.0f}s, load average {os.getloadavg()}")
     return {"wall_s": wall, "steps": steps, "load_avg_after": os.getloadavg()}
 
 
 def phase_table(runs: list[dict]) -> dict[str, dict]:
     out = {}
-    for ph in m.PHASES:
+    for ph in PHASES:
         per_run = [[s[f"timing_s/{ph}"] for s in r["steps"][1:] if f"timing_s/{ph}" in s] for r in runs]
         values = [v for vals in per_run for v in vals]
         if values:
@@ -102,16 +106,16 @@ def main(argv=None) -> int:
     p.add_argument("--work", default="/tmp/step_speed")
     a = p.parse_args(argv)
     smoke = a.agents == "smoke"
-    warm = m.warm_agents(["A", "B"], os.path.join(a.work, "agents" + ("_smoke" if smoke else "")), smoke)
+    warm = warm_agents(["A", "B"], os.path.join(a.work, "agents" + ("_smoke" if smoke else "")), smoke)
     agents = [warm["A"], warm["B"]]
-    setup = m.Setup(a.steps, 16, 8, 1e-4, 1.0, a.steps, 64, 512)
+    setup = Setup(a.steps, 16, 8, 1e-4, 1.0, a.steps, 64, 512)
     pkg = export_baseline(a.baseline, os.path.join(a.work, "baseline"))
     variants = {"baseline": (pkg, {"PYTHONPATH": pkg}), "current": (REPO, {})}
     runs = {name: [] for name in variants}
     for r in range(a.rounds):
         for name, (cwd, env) in variants.items():
             runs[name].append(run(name, cwd, env, agents, setup, os.path.join(a.work, "runs", f"{name}_{r}")))
-    result = {"machine": m.machine(), "baseline": a.baseline, "argv": sys.argv[1:],
+    result = {"machine": machine(), "baseline": a.baseline, "argv": sys.argv[1:],
               "phases": {name: phase_table(v) for name, v in runs.items()},
               "same_samples": [samples_signature(b) == samples_signature(c)
                                for b, c in zip(runs["baseline"], runs["current"])],

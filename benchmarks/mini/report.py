@@ -1,0 +1,353 @@
+"""The benchmark's Markdown reports: the main table, ablations, other pairs, the cost profile."""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+
+from mini.agents import PAIRS
+from mini.arms import ABLATIONS, ALL_ARMS, ARMS
+from mini.common import fmt_pm, machine
+from mini.runs import Setup
+from mini.stats import Paired, Recovered, paired, recovered_fraction, regime_holds
+
+
+def agent_table_header(names: list[str]) -> tuple[str, str]:
+    cols = ["arm", "seeds"]
+    for n in names:
+        cols += [f"{n} acc %", f"{n} Δ vs GSPO", f"{n} recovered [90 % CI]"]
+    cols += ["mean train reward %", "rollout tokens / run", "wall s / run"]
+    return "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)
+
+
+def acc_at(run: dict, name: str, at_step: int | None):
+    """Held-out accuracy after the last step, or after step `at_step` (from the periodic validation)."""
+    if at_step is None or at_step == run["steps"]:
+        return run["final_acc"][name]
+    return run["val"][name].get(str(at_step))
+
+
+def accs_by_seed(runs: dict[int, dict], name: str, at_step: int | None) -> dict[int, float]:
+    return {seed: acc_at(run, name, at_step) for seed, run in runs.items()}
+
+
+def fmt_paired(d: Paired) -> str:
+    if not d.diffs:
+        return "—"
+    if len(d.diffs) == 1:
+        return "%+.1f (n=1)" % (d.mean * 100)
+    return "%+.1f ± %.1f (n=%d)" % (d.mean * 100, d.std * 100, len(d.diffs))
+
+
+def fmt_recovered(r: Recovered | None) -> str:
+    if r is None:
+        return "—"
+    undefined = f", {r.undefined:.0%} of resamples undefined" if r.undefined >= 0.005 else ""
+    return f"{r.value:.2f} [{r.low:.2f}, {r.high:.2f}] (n={len(r.seeds)}{undefined})"
+
+
+def by_arm_and_seed(summaries: list[dict]) -> dict[str, dict[int, dict]]:
+    by: dict[str, dict[int, dict]] = {}
+    for s in summaries:
+        by.setdefault(s["arm"], {})[s["seed"]] = s
+    return by
+
+
+def arm_rows(summaries: list[dict], arm_keys: list[str], names: list[str], at_step: int | None = None) -> list[str]:
+    """One table row per arm: accuracy, Δ vs GSPO paired by seed, recovered fraction (sharing arms)."""
+    by = by_arm_and_seed(summaries)
+    gspo, gspo2x = by.get("gspo", {}), by.get("gspo2x", {})
+    rows = []
+    for key in arm_keys:
+        runs = by.get(key, {})
+        if not runs:
+            continue
+        seeds = sorted(runs)
+        cells = [ALL_ARMS[key].label + (f" (step {at_step} of {runs[seeds[0]]['steps']})"
+                                        if at_step and runs[seeds[0]]["steps"] != at_step else ""),
+                 ",".join(map(str, seeds))]
+        for n in names:
+            mine = accs_by_seed(runs, n, at_step)
+            cells.append(fmt_pm([v for v in mine.values() if v is not None]))
+            cells.append(fmt_paired(paired(mine, accs_by_seed(gspo, n, at_step))) if key != "gspo" else "—")
+            shares = key not in ("gspo", "gspo2x")
+            cells.append(fmt_recovered(recovered_fraction(mine, accs_by_seed(gspo, n, at_step),
+                                                          accs_by_seed(gspo2x, n, at_step))) if shares else "—")
+        upto = at_step or None
+        auc = [statistics.fmean(statistics.fmean(runs[s]["train_reward"][n][:upto]) for n in names) for s in seeds]
+        cells.append(fmt_pm(auc))
+        if at_step and runs[seeds[0]]["steps"] != at_step:
+            cells += ["—", "—"]
+        else:
+            toks = [sum(runs[s]["rollout_tokens"].values()) for s in seeds]
+            cells.append(f"{statistics.fmean(toks):,.0f}")
+            cells.append(f"{statistics.fmean([runs[s]['wall_s'] for s in seeds]):.0f}")
+        rows.append("| " + " | ".join(cells) + " |")
+    return rows
+
+
+def regime_lines(summaries: list[dict], names: list[str], sigmas: float = 3.0) -> list[str]:
+    """Does doubling the rollouts matter here? GSPO×2 − GSPO per agent, paired by seed."""
+    by = by_arm_and_seed(summaries)
+    if not by.get("gspo") or not by.get("gspo2x"):
+        return []
+    lines = ["| agent | GSPO acc % | GSPO×2 acc % | GSPO×2 − GSPO (points, paired) | per seed | mean / std | "
+             f"≥ {sigmas:g} std? |", "|---|---|---|---|---|---|---|"]
+    verdicts = []
+    for n in names:
+        g, g2 = accs_by_seed(by["gspo"], n, None), accs_by_seed(by["gspo2x"], n, None)
+        d = paired(g2, g)
+        holds = regime_holds(d, sigmas)
+        verdicts.append(holds)
+        per_seed = ", ".join(f"s{s} {x * 100:+.1f}" for s, x in zip(d.seeds, d.diffs))
+        lines.append(f"| {n} | {fmt_pm([g[s] for s in d.seeds])} | {fmt_pm([g2[s] for s in d.seeds])} | "
+                     f"{fmt_paired(d)} | {per_seed} | {d.sigmas():.1f} | {'yes' if holds else 'no'} |")
+    lines += ["", "Doubling the rollouts matters for every agent in this regime." if all(verdicts) else
+              "Doubling the rollouts does **not** clear the bar for every agent in this regime: the recovered "
+              "fractions below divide by a gain that is not clearly above noise.", ""]
+    return lines
+
+
+# per-step sharing metrics summarised per arm and agent: (metric, column title)
+DIAGNOSTIC_COLUMNS = (
+    ("capability", "P̂"),
+    ("omega/*", "ω (from peer)"),
+    ("hacpo/cross_ratio_mean", "mean s (cross)"),
+    ("hacpo/cross_clipfrac_low", "cross s < bound"),
+    ("hacpo/cross_clipfrac_high", "cross s > 1"),
+    ("advantage/guard_groups", "guard groups / step"),
+    ("hacpo/lower_bound", "bound (mean over updates)"),
+)
+
+
+def _run_mean(diag: dict[str, list[float]], metric: str, last: int | None = None) -> float | None:
+    keys = [k for k in diag if k.startswith(metric[:-1])] if metric.endswith("*") else [metric]
+    vals = [v for k in keys if k in diag for v in diag[k][-last if last else 0:] if not math.isnan(v)]
+    return statistics.fmean(vals) if vals else None
+
+
+def diagnostic_lines(summaries: list[dict], names: list[str], arm_keys: list[str], last: int = 10) -> list[str]:
+    """Per sharing arm and agent: the step-averaged sharing metrics (mean over seeds), and the share of
+    cross rows that carried gradient over the whole run and over its last `last` steps."""
+    by = by_arm_and_seed(summaries)
+    head = ["arm", "agent", *[t for _, t in DIAGNOSTIC_COLUMNS], "cross rows with gradient (all steps)",
+            f"cross rows with gradient (last {last} steps)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for key in arm_keys:
+        runs = [r for r in by.get(key, {}).values() if r.get("diagnostics")]
+        if not runs or ALL_ARMS[key].mode == "isolated":
+            continue
+        for n in names:
+            cells = [ALL_ARMS[key].label, n]
+            for metric, _ in DIAGNOSTIC_COLUMNS:
+                vals = [v for r in runs if (v := _run_mean(r["diagnostics"][n], metric)) is not None]
+                cells.append(f"{statistics.fmean(vals):.3f}" if vals else "—")
+            for window in (None, last):
+                kept = []
+                for r in runs:
+                    lo = _run_mean(r["diagnostics"][n], "hacpo/cross_clipfrac_low", window)
+                    hi = _run_mean(r["diagnostics"][n], "hacpo/cross_clipfrac_high", window)
+                    if lo is not None and hi is not None:
+                        kept.append(1.0 - lo - hi)
+                cells.append(f"{statistics.fmean(kept):.0%}" if kept else "—")
+            lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def agent_lines(agents: dict, keys: tuple[str, ...]) -> list[str]:
+    lines = ["| key | trainer name | kind | params | warm-start steps | seed | held-out acc at start (warm_start, greedy) |",
+             "|---|---|---|---|---|---|---|"]
+    for key in keys:
+        a = agents[key]
+        rec = a["record"]
+        lines.append(f"| {key} | {a['agent'].name} | {a['agent'].kind} | {rec.get('params', '?'):,} | "
+                     f"{rec.get('total_steps', rec['steps'])} | {rec['seed']} | {rec['held_out_accuracy'] * 100:.1f} % |")
+    return lines
+
+
+def start_line(runs: list[dict], names: list[str]) -> list[str]:
+    zero = next((s for s in runs if s["val"][names[0]].get("0") is not None), None)
+    if zero is None:
+        return []
+    return ["Held-out accuracy at step 0 measured by the trainer's validation: "
+            + ", ".join(f"{n} {zero['val'][n]['0'] * 100:.1f} %" for n in names) + ".", ""]
+
+
+def pair_section(title: str, summaries: list[dict], agents: dict, pair: str, arm_keys: list[str],
+                 at_step: int | None = None) -> list[str]:
+    names = [agents[k]["agent"].name for k in PAIRS[pair]]
+    header, sep = agent_table_header(names)
+    runs = [s for s in summaries if s["pair"] == pair]
+    return [title, "", *agent_lines(agents, PAIRS[pair]), "", header, sep,
+            *arm_rows(runs, arm_keys, names, at_step), "", *start_line(runs, names),
+            *diagnostic_lines(runs, names, arm_keys), ""]
+
+
+def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, command: str, main_seeds: list[int],
+                 notes: list[str], started: float, pair: str, reading: str = "") -> None:
+    names = [agents[k]["agent"].name for k in PAIRS[pair]]
+    header, sep = agent_table_header(names)
+    main = [s for s in summaries if s["pair"] == pair and s["arm"] in ARMS]
+    abl = [s for s in summaries if s["pair"] == pair and s["arm"] in ABLATIONS]
+    updates = ("one optimizer update per step (mini-batch = whole batch)" if setup.mini_batches == 1 else
+               f"{setup.mini_batches} optimizer updates per step (mini-batch = {setup.prompts // setup.mini_batches} "
+               "prompts with all their rows, own and cross: HACPO's update index m = "
+               f"0..{setup.mini_batches - 1}, so the stepwise bound moves within a step)")
+    lines = [
+        "# HACPO in miniature: does sharing rollouts buy what doubling them buys? (CPU, real trainer)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {machine()}.",
+        "",
+        f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}; this invocation took {(time.time() - started) / 60:.1f} min "
+        "(runs cached from an earlier invocation are not re-timed here).",
+        "",
+        "## Setup",
+        "",
+        "Task: zero-padded 3-digit addition (`0123+0456=` → `0579`), `data/arith_add3_*.parquet`; reward 1 on exact "
+        "match. Held-out accuracy: the trainer's validation — greedy decoding of "
+        f"{setup.val_rows} held-out prompts — after the last step.",
+        "",
+        "Agents: supervised warm starts (`recipe_hacpo.warm_start`, loss on answer + EOS after each agent's own chat "
+        "template), the same start for every arm and seed. Those shipped in `data/` are used as shipped.",
+        "",
+        f"RL: `python -m recipe_hacpo.main --config-name hacpo_cpu_demo` per run (own Ray session), {setup.steps} steps, "
+        f"{setup.prompts} prompts/step, G = {setup.group} per agent (GSPO×2: {2 * setup.group}), temperature "
+        f"{setup.temperature}, Adam lr {setup.lr}, {updates}, GSPO clip 3e-4/4e-4, HACPO α = 1, δ = 0.2, "
+        "δ_step = 0.025, K = 5, baseline cap 1. Seeds vary the data order (`data.seed`) and the rollout sampling seed; "
+        "every comparison is paired by seed.",
+        "",
+        "Columns: acc % = held-out accuracy after the last step, mean ± std over seeds. Δ vs GSPO = paired-by-seed "
+        "difference in points (mean ± std). Recovered = (X − GSPO) / (GSPO×2 − GSPO), a ratio of seed means, with "
+        "the 5th–95th percentile over 10,000 bootstrap resamples of the seeds: 1 = the arm buys what doubling the "
+        "rollouts buys, 0 = nothing over GSPO at G. Mean train reward % = on-policy reward over all steps, averaged "
+        "over agents. Rollout tokens = response tokens sampled by both agents in training.",
+        "",
+        f"## Does doubling the rollouts matter here? (pair `{pair}`, GSPO G = {setup.group} vs GSPO×2 G = "
+        f"{2 * setup.group})",
+        "",
+        *regime_lines(main, names),
+        f"## Main table (pair `{pair}`: {' + '.join(names)}; seeds {main_seeds})",
+        "",
+        *agent_lines(agents, PAIRS[pair]),
+        "",
+        header,
+        sep,
+        *arm_rows(main, list(ARMS), names),
+        "",
+        *start_line(main, names),
+        "### What the sharing arms did, step by step (mean over steps, then over seeds)",
+        "",
+        "P̂ = capability; ω = the discrepancy coefficient applied to the peer's rows; s = the cross rows' "
+        "importance ratio of §4; 'cross s < bound' / 'cross s > 1' = share of cross rows outside HACPO's clip "
+        "(no gradient; 0 in Naive mode); guard groups = prompt groups per step where the §2 baseline cap "
+        "replaced the shared baseline by the learner's own mean.",
+        "",
+        *diagnostic_lines(main, names, list(ARMS)),
+        "",
+    ]
+    if abl:
+        abl_steps = abl[0]["steps"]
+        at = abl_steps if abl_steps != setup.steps else None
+        abl_seeds = {a["seed"] for a in abl}
+        ref = [s for s in main if s["seed"] in abl_seeds]  # every row averages the same seeds
+        lines += [
+            "## Ablations (HACPO with one mechanism switched off)",
+            "",
+            (f"The ablation runs ran {abl_steps} steps; they are compared with the main-table runs of the same seed "
+             f"at step {abl_steps} (their periodic validation). " if at else "")
+            + "Δ and the recovered fraction are paired with the main table's GSPO / GSPO×2 runs of the same seeds.",
+            "",
+            header,
+            sep,
+            *arm_rows(ref + abl, ["gspo", "gspo2x", "hacpo", *ABLATIONS], names, at_step=at),
+            "",
+            *diagnostic_lines(ref + abl, names, ["hacpo", *ABLATIONS]),
+            "",
+        ]
+    other = sorted({s["pair"] for s in summaries} - {pair})
+    if other:
+        lines += ["## Kinds of heterogeneity", ""]
+    for p in other:
+        pn = [agents[k]["agent"].name for k in PAIRS[p]]
+        lines += pair_section(f"### Pair `{p}`: {' + '.join(pn)}", summaries, agents, p, list(ALL_ARMS))
+    if reading:
+        lines += ["## Reading", "", reading.strip(), ""]
+    if notes:
+        lines += ["## Notes", "", *[f"- {n}" for n in notes], ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+
+
+PHASES = ["gen", "reward", "old_log_prob", "exchange", "adv", "update_actor", "update_weights", "step"]
+
+
+def phase_medians(runs: list[dict]) -> dict[str, float]:
+    """Median per phase over every step of every run, skipping each run's first step (warm-up)."""
+    out = {}
+    for ph in PHASES:
+        vals = [v for r in runs for v in r["timing"].get(ph, [])[1:]]
+        if vals:
+            out[ph] = statistics.median(vals)
+    return out
+
+
+def write_cost_profile(path: str, summaries: list[dict], setup: Setup, command: str, pair: str, parallel: int = 1) -> None:
+    arms = {k: [s for s in summaries if s["pair"] == pair and s["arm"] == k] for k in ("gspo", "gspo2x", "naive", "hacpo")}
+    med = {k: phase_medians(v) for k, v in arms.items() if v}
+    lines = [
+        "# Cost profile: time per phase per step, HACPO against isolated GSPO (CPU, real trainer)",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Machine: {machine()}.",
+        "",
+        f"From the `timing_s/*` metrics of the main-table runs (pair `{pair}`, {setup.prompts} prompts/step, "
+        f"G = {setup.group}); median over steps 2..{setup.steps} of every seed. Both agents run each phase "
+        "concurrently on their own worker groups, so a phase's time is the slower agent's."
+        + (f" {parallel} runs ran at once on the 2 cores, so absolute times include contention between runs." if parallel > 1 else ""),
+        "",
+        "| phase (s/step) | " + " | ".join(ALL_ARMS[k].label for k in med) + " |",
+        "|---|" + "---|" * len(med),
+    ]
+    what = {
+        "gen": "generation",
+        "reward": "reward (verifier)",
+        "old_log_prob": "old log-probs (own rows)",
+        "exchange": "exchange + re-tokenization",
+        "adv": "advantages",
+        "update_actor": "update (incl. learner log-probs of cross rows)",
+        "update_weights": "weight sync",
+        "step": "whole step",
+    }
+    for ph in PHASES:
+        lines.append(f"| {what[ph]} | " + " | ".join(f"{med[k].get(ph, float('nan')):.3f}" for k in med) + " |")
+    lines.append("")
+    if "hacpo" in med:
+        h = med["hacpo"]["step"]
+        lines += ["## Ratios", ""]
+        if "gspo2x" in med:
+            lines.append(f"- Equal per-learner group size (HACPO, G = {setup.group} per agent → {2 * setup.group} rows per "
+                         f"prompt per learner, vs isolated GSPO with 2G = {2 * setup.group}): HACPO step / GSPO×2 step = "
+                         f"{h:.3f} / {med['gspo2x']['step']:.3f} = **{h / med['gspo2x']['step']:.2f}×**.")
+        if "gspo" in med:
+            lines.append(f"- Equal per-agent sampling (HACPO G = {setup.group} vs isolated G = {setup.group}): HACPO step / "
+                         f"GSPO step = {h:.3f} / {med['gspo']['step']:.3f} = **{h / med['gspo']['step']:.2f}×**.")
+        if "naive" in med:
+            lines.append(f"- HACPO step / Naive-sharing step = {h / med['naive']['step']:.2f}× (same rows per learner).")
+        for k, label in (("gspo2x", "GSPO×2"), ("gspo", "GSPO")):
+            if k in med:
+                lines.append(f"- Generation time HACPO / {label}: {med['hacpo']['gen'] / med[k]['gen']:.2f}×; update time "
+                             f"HACPO / {label}: {med['hacpo']['update_actor'] / med[k]['update_actor']:.2f}×.")
+        lines += [
+            "",
+            "The trainer computes the learner's log-probs of cross rows inside the update's forward pass (they are the "
+            "π_θ of the HACPO loss), so 'cross log-probs' has no phase of its own: it is part of `update_actor`. "
+            "Exchange = detokenize → re-tokenize with the learner's tokenizer → re-render the prompt with the learner's "
+            "chat template, on the driver.",
+            "",
+        ]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))

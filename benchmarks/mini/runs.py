@@ -1,0 +1,204 @@
+"""One run through the real trainer, its summary, and the cache that lets a benchmark resume."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+from mini.arms import ALL_ARMS, Arm
+from mini.common import DATA_DIR, REPO, TRAIN_FILE, VAL_FILE, VAL_SOURCE, log
+
+@dataclass
+class Setup:
+    steps: int
+    prompts: int
+    group: int
+    lr: float
+    temperature: float
+    val_every: int
+    val_rows: int
+    micro: int
+    mini_batches: int = 1  # optimizer updates per step (HACPO's update index m runs 0..mini_batches-1)
+
+
+def run_overrides(arm: Arm, seed: int, agents: list[dict], setup: Setup, run_dir: str, first: bool) -> list[str]:
+    g = setup.group * arm.group_mult
+    # verl needs every batch it scores or trains on to split into whole micro-batches
+    mini_prompts = setup.prompts // setup.mini_batches
+    micro = math.gcd(setup.micro, mini_prompts * setup.group)
+    spec = ",".join(
+        f"{{name:{a['agent'].name},model_path:'{a['path']}',rollout_n:{g},n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
+        for a in agents
+    )
+    ov = [
+        f"agents=[{spec}]",
+        f"ray_kwargs.ray_init.num_gpus={len(agents)}",
+        f"algorithm.hacpo.mode={arm.mode}",
+        *[f"algorithm.hacpo.{k}={v}" for k, v in arm.hacpo.items()],
+        f"data.train_files={TRAIN_FILE}",
+        f"data.val_files={VAL_FILE}",
+        f"data.train_batch_size={setup.prompts}",
+        f"data.val_batch_size={setup.val_rows}",
+        f"data.val_max_samples={setup.val_rows}",
+        f"data.seed={seed}",
+        "data.max_prompt_length=48",
+        "data.max_response_length=8",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_prompts}",
+        f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.actor.optim.lr={setup.lr}",
+        f"actor_rollout_ref.rollout.temperature={setup.temperature}",
+        f"actor_rollout_ref.rollout.seed={1000 + seed}",
+        f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
+        f"actor_rollout_ref.rollout.max_num_seqs={max(256, setup.val_rows, setup.prompts * g)}",
+        f"actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu={micro}",
+        f"trainer.total_training_steps={setup.steps}",
+        f"trainer.test_freq={setup.val_every}",
+        "trainer.save_freq=-1",
+        f"trainer.val_before_train={'true' if first else 'false'}",
+        "trainer.logger=[console,file]",
+        "trainer.progress_bar=false",
+        "trainer.resume_mode=disable",
+        f"trainer.default_local_dir={run_dir}/ckpt",
+        f"trainer.experiment_name={os.path.basename(run_dir)}",
+        f"hydra.run.dir={run_dir}/hydra",
+    ]
+    return ov
+
+
+def summarize(records: list[dict], agents: list[dict], arm: Arm, setup: Setup) -> dict:
+    steps = {r["step"]: r["data"] for r in records if "training/global_step" in r["data"]}
+    names = [a["agent"].name for a in agents]
+    g = setup.group * arm.group_mult
+    curve = {n: [] for n in names}
+    val = {n: {} for n in names}
+    tokens = {n: 0.0 for n in names}
+    for r in records:
+        d = r["data"]
+        for n in names:
+            key = f"agent/{n}/val/{VAL_SOURCE}/mean@1"
+            if key in d:
+                val[n][int(r["step"])] = float(d[key])
+    for s in sorted(steps):
+        d = steps[s]
+        for n in names:
+            curve[n].append(float(d.get(f"agent/{n}/reward/mean", float("nan"))))
+            tokens[n] += float(d.get(f"agent/{n}/response_length/mean", 0.0)) * setup.prompts * g
+    timing = {}
+    for s in sorted(steps):
+        for k, v in steps[s].items():
+            if k.startswith("timing_s/"):
+                timing.setdefault(k[len("timing_s/"):], []).append(float(v))
+    last = max(steps) if steps else 0
+    final = {n: val[n].get(last) for n in names}
+    return {
+        "names": names,
+        "agents": [a["agent"].dirname for a in agents],
+        "steps": len(steps),
+        "train_reward": curve,
+        "val": {n: {str(k): v for k, v in val[n].items()} for n in names},
+        "final_acc": final,
+        "rollout_tokens": tokens,
+        "timing": timing,
+        "diagnostics": diagnostics(steps, names),
+    }
+
+
+# per-step metrics that explain what sharing did for an agent (docs/METRICS.md)
+DIAGNOSTIC_PREFIXES = ("omega/", "hacpo/", "advantage/", "cross/", "capability", "actor/pg_clipfrac")
+
+
+def diagnostics(steps: dict[int, dict], names: list[str]) -> dict[str, dict[str, list[float]]]:
+    """Per agent, per metric (without the `agent/<name>/` prefix), its value at every step (NaN where
+    a step did not log it)."""
+    out: dict[str, dict[str, list[float]]] = {}
+    order = sorted(steps)
+    for n in names:
+        prefix = f"agent/{n}/"
+        keys = sorted({k[len(prefix):] for s in order for k in steps[s]
+                       if k.startswith(prefix) and k[len(prefix):].startswith(DIAGNOSTIC_PREFIXES)})
+        out[n] = {k: [float(steps[s].get(prefix + k, float("nan"))) for s in order] for k in keys}
+    return out
+
+
+def run_name(pair: str, arm_key: str, seed: int, setup: Setup) -> str:
+    """The run's folder under <work>/runs; runs with several updates per step live apart."""
+    return f"{pair}_{arm_key}_s{seed}" + (f"_mb{setup.mini_batches}" if setup.mini_batches != 1 else "")
+
+
+def _stale(summary: dict, arm: Arm, setup: Setup, agents: list[str] | None = None) -> str:
+    """What differs between a cached run and the requested settings ('' when it can be reused)."""
+    wanted = {"steps": setup.steps, "group": setup.group * arm.group_mult, "prompts": setup.prompts,
+              "lr": setup.lr, "temperature": setup.temperature, "mini_batches": setup.mini_batches}
+    made = {"mini_batches": 1, **summary}  # runs cached before the key existed made one update per step
+    if "agents" in summary and agents is not None and summary["agents"] != agents:
+        return f"agents {summary['agents']} != {agents}"
+    return ", ".join(f"{k} {made[k]} != {v}" for k, v in wanted.items() if k in made and made[k] != v)
+
+
+def cached_run(work: str, pair: str, arm_key: str, seed: int, setup: Setup,
+               agents: list[str] | None = None) -> dict | None:
+    """The summary of a finished run made with these settings, or None (none, or made with others)."""
+    summary_file = os.path.join(work, "runs", run_name(pair, arm_key, seed, setup), "summary.json")
+    if not os.path.isfile(summary_file):
+        return None
+    with open(summary_file) as f:
+        summary = json.load(f)
+    stale = _stale(summary, ALL_ARMS[arm_key], setup, agents)
+    if stale:
+        log(f"{pair}/{arm_key}/seed {seed}: cached run made with other settings ({stale}); not reused")
+        return None
+    metrics_file = os.path.join(os.path.dirname(summary_file), "metrics.jsonl")
+    if "diagnostics" not in summary and os.path.isfile(metrics_file):  # summaries written before they were kept
+        summary["diagnostics"] = diagnostics(_step_records(metrics_file), summary["names"])
+    return summary
+
+
+def _step_records(metrics_file: str) -> dict[int, dict]:
+    with open(metrics_file) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {r["step"]: r["data"] for r in records if "training/global_step" in r["data"]}
+
+
+def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str, pair: str, first: bool,
+            timeout: int) -> dict:
+    arm = ALL_ARMS[arm_key]
+    summary = cached_run(work, pair, arm_key, seed, setup, [a["agent"].dirname for a in agents])
+    if summary is not None:
+        log(f"{pair}/{arm_key}/seed {seed}: cached")
+        return summary
+    run_dir = os.path.join(work, "runs", run_name(pair, arm_key, seed, setup))
+    summary_file = os.path.join(run_dir, "summary.json")
+    os.makedirs(run_dir, exist_ok=True)
+    metrics_file = os.path.join(run_dir, "metrics.jsonl")
+    if os.path.exists(metrics_file):
+        os.remove(metrics_file)
+    overrides = run_overrides(arm, seed, agents, setup, run_dir, first)
+    cmd = [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", *overrides]
+    env = dict(os.environ, VERL_FILE_LOGGER_PATH=metrics_file, HACPO_DATA_DIR=DATA_DIR)
+    log(f"{pair}/{arm_key}/seed {seed}: start")
+    t0 = time.perf_counter()
+    with open(os.path.join(run_dir, "log.txt"), "w") as logf:
+        logf.write(shlex.join(cmd) + "\n\n")
+        logf.flush()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{pair}/{arm_key}/seed {seed} failed (rc {proc.returncode}); see {run_dir}/log.txt")
+    with open(metrics_file) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    summary = summarize(records, agents, arm, setup)
+    summary.update({"arm": arm_key, "seed": seed, "pair": pair, "wall_s": wall, "group": setup.group * arm.group_mult,
+                    "prompts": setup.prompts, "lr": setup.lr, "temperature": setup.temperature,
+                    "mini_batches": setup.mini_batches,
+                    "train_s": sum(summary["timing"].get("step", []))})
+    with open(summary_file, "w") as f:
+        json.dump(summary, f)
+    accs = ", ".join(f"{n} {v if v is None else round(v, 3)}" for n, v in summary["final_acc"].items())
+    log(f"{pair}/{arm_key}/seed {seed}: done in {wall:.0f}s (train {summary['train_s']:.0f}s): {accs}")
+    return summary
