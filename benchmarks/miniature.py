@@ -114,8 +114,9 @@ def main(argv: list[str] | None = None) -> int:
         write_report(os.path.join(a.results, "miniature.md"), summaries, agents, setup, command, a.seeds,
                      notes + extra_notes, started, a.pair, reading)
         write_cost_profile(os.path.join(a.results, "cost_profile.md"), summaries, setup, command, a.pair, a.parallel)
-        if summaries:
-            write_plot(os.path.join(a.results, "learning_curve.png"), summaries, agents, a.pair)
+        for pr in sorted({s["pair"] for s in summaries}):
+            name = "learning_curve.png" if pr == a.pair else f"learning_curve_{pr}.png"
+            write_plot(os.path.join(a.results, name), summaries, agents, pr)
 
     def job(i: int) -> None:
         pr, arm, seed = plan[i]

@@ -107,3 +107,16 @@ def test_report_has_regime_recovered_fraction_and_diagnostics(tmp_path):
     assert f"| HACPO (G each) | {q} | — | 0.600 | — | 0.500 | 0.100 | — | — | 40% | 40% |" in text
     assert f"| HACPO (G each) | {l} | — | — | — | 0.200 | 0.200 | — | — | 60% | 60% |" in text
     assert "## Reading\n\nSharing helped here." in text
+
+
+def test_every_arm_updates_on_the_same_number_of_rows():
+    from mini.arms import ALL_ARMS
+    from mini.runs import mini_batch_prompts
+
+    setup = Setup(40, 32, 2, 1e-4, 1.0, 20, 64, 512, 4)
+    prompts = {k: mini_batch_prompts(ALL_ARMS[k], setup, 2) for k in ("gspo", "gspo2x", "naive", "hacpo")}
+    # 32 rows an update: GSPO 16 prompts × 2 (2 updates), GSPO×2 8 × 4, sharing 8 × (2 own + 2 cross) (4 updates)
+    assert prompts == {"gspo": 16, "gspo2x": 8, "naive": 8, "hacpo": 8}
+    one = Setup(40, 32, 2, 1e-4, 1.0, 20, 64, 512, 1)
+    # one sharing update a step would need GSPO to update on two steps' prompts: capped at one update a step
+    assert mini_batch_prompts(ALL_ARMS["gspo"], one, 2) == 32

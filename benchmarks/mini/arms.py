@@ -25,6 +25,7 @@ ABLATIONS = {
     "abl_alpha0": Arm("hacpo", 1, {"alpha": 0.0}, "HACPO, α = 0"),
     "abl_clip_fixed": Arm("hacpo", 1, {"cross_clip": "fixed"}, "HACPO, cross clip fixed"),
     "abl_clip_none": Arm("hacpo", 1, {"cross_clip": "none"}, "HACPO, no cross clip"),
+    "abl_no_guard": Arm("hacpo", 1, {"baseline_cap": "null"}, "HACPO − baseline guard"),
 }
 
 ALL_ARMS = {**ARMS, **ABLATIONS}

@@ -190,10 +190,11 @@ def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, c
     header, sep = agent_table_header(names)
     main = [s for s in summaries if s["pair"] == pair and s["arm"] in ARMS]
     abl = [s for s in summaries if s["pair"] == pair and s["arm"] in ABLATIONS]
-    updates = ("one optimizer update per step (mini-batch = whole batch)" if setup.mini_batches == 1 else
-               f"{setup.mini_batches} optimizer updates per step (mini-batch = {setup.prompts // setup.mini_batches} "
-               "prompts with all their rows, own and cross: HACPO's update index m = "
-               f"0..{setup.mini_batches - 1}, so the stepwise bound moves within a step)")
+    rows = setup.prompts // setup.mini_batches * setup.group * 2
+    updates = (f"{setup.mini_batches} optimizer update(s) per step for the sharing arms and GSPO×2, "
+               f"{max(1, setup.mini_batches // 2)} for GSPO: every update holds {rows} rows in every arm (the paper's "
+               "rule), a sharing arm's mini-batch whole prompt groups with their own and cross rows, so HACPO's update "
+               f"index m runs 0..{setup.mini_batches - 1} within a step")
     lines = [
         "# HACPO in miniature: does sharing rollouts buy what doubling them buys? (CPU, real trainer)",
         "",

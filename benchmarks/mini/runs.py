@@ -27,11 +27,24 @@ class Setup:
     mini_batches: int = 1  # optimizer updates per step (HACPO's update index m runs 0..mini_batches-1)
 
 
+MINI_BATCH_RULE = "equal_rows"  # recorded in every summary; runs made under another rule are not reused
+
+
+def mini_batch_prompts(arm: Arm, setup: Setup, n_agents: int) -> int:
+    """Prompts per optimizer update. Every arm's update holds the same number of rows, as in the paper
+    (GSPO 64 × 8, GSPO×2 32 × 16, HACPO 32 × (8 own + 8 cross) = 512): `setup.mini_batches` is the
+    sharing arms' update count, whose learner sees n_agents × G rows per prompt, so GSPO at G makes
+    half as many updates (capped at one per step) and GSPO×2 as many."""
+    rows_per_update = setup.prompts // setup.mini_batches * setup.group * n_agents
+    rows_per_prompt = setup.group * (arm.group_mult if arm.mode == "isolated" else n_agents)
+    return min(setup.prompts, rows_per_update // rows_per_prompt)
+
+
 def run_overrides(arm: Arm, seed: int, agents: list[dict], setup: Setup, run_dir: str, first: bool) -> list[str]:
     g = setup.group * arm.group_mult
+    mini_prompts = mini_batch_prompts(arm, setup, len(agents))
     # verl needs every batch it scores or trains on to split into whole micro-batches
-    mini_prompts = setup.prompts // setup.mini_batches
-    micro = math.gcd(setup.micro, mini_prompts * setup.group)
+    micro = math.gcd(setup.micro, mini_prompts * g)
     spec = ",".join(
         f"{{name:{a['agent'].name},model_path:'{a['path']}',rollout_n:{g},n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
         for a in agents
@@ -134,7 +147,8 @@ def run_name(pair: str, arm_key: str, seed: int, setup: Setup) -> str:
 def _stale(summary: dict, arm: Arm, setup: Setup, agents: list[str] | None = None) -> str:
     """What differs between a cached run and the requested settings ('' when it can be reused)."""
     wanted = {"steps": setup.steps, "group": setup.group * arm.group_mult, "prompts": setup.prompts,
-              "lr": setup.lr, "temperature": setup.temperature, "mini_batches": setup.mini_batches}
+              "lr": setup.lr, "temperature": setup.temperature, "mini_batches": setup.mini_batches,
+              "mini_batch_rule": MINI_BATCH_RULE}
     made = {"mini_batches": 1, **summary}  # runs cached before the key existed made one update per step
     if "agents" in summary and agents is not None and summary["agents"] != agents:
         return f"agents {summary['agents']} != {agents}"
@@ -195,7 +209,8 @@ def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str
     summary = summarize(records, agents, arm, setup)
     summary.update({"arm": arm_key, "seed": seed, "pair": pair, "wall_s": wall, "group": setup.group * arm.group_mult,
                     "prompts": setup.prompts, "lr": setup.lr, "temperature": setup.temperature,
-                    "mini_batches": setup.mini_batches,
+                    "mini_batches": setup.mini_batches, "mini_batch_rule": MINI_BATCH_RULE,
+                    "mini_batch_prompts": mini_batch_prompts(arm, setup, len(agents)),
                     "train_s": sum(summary["timing"].get("step", []))})
     with open(summary_file, "w") as f:
         json.dump(summary, f)
