@@ -31,7 +31,7 @@ from mini.arms import ABLATIONS, ARMS
 from mini.common import REPO, log
 from mini.plot import write_plot
 from mini.report import write_cost_profile, write_report
-from mini.runs import Setup, cached_run, run_one
+from mini.runs import Setup, cached_run, restore_cache, run_one
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     if a.reading and not os.path.isfile(a.reading):
         p.error(f"--reading {a.reading}: no such file")
     setup = Setup(a.steps, a.prompts, a.group, a.lr, a.temperature, a.val_every, a.val_rows, a.micro, a.mini_batches)
+    restored = restore_cache(a.work, os.path.join(a.results, "runs.json"))
+    if restored:
+        log(f"{restored} run summaries restored from {a.results}/runs.json into {a.work}/runs")
     extra = [] if a.extra_pairs == "none" else a.extra_pairs.split(",")
     keys = sorted({k for pr in [a.pair, *extra] for k in PAIRS[pr]}, key=list(AGENTS).index)
     agents = warm_agents(keys, os.path.join(a.work, "agents"), a.smoke)

@@ -155,6 +155,27 @@ def _stale(summary: dict, arm: Arm, setup: Setup, agents: list[str] | None = Non
     return ", ".join(f"{k} {made[k]} != {v}" for k, v in wanted.items() if k in made and made[k] != v)
 
 
+def restore_cache(work: str, runs_json: str) -> int:
+    """Put the summaries of a results folder's runs.json into <work>/runs/ where the work folder has none,
+    so a benchmark resumes from committed results on a machine that lost its work folder; the usual
+    checks then decide whether each is reused. Returns how many were restored."""
+    if not os.path.isfile(runs_json):
+        return 0
+    with open(runs_json) as f:
+        summaries = json.load(f)
+    restored = 0
+    for summary in summaries:
+        name = f"{summary['pair']}_{summary['arm']}_s{summary['seed']}"
+        name += f"_mb{summary['mini_batches']}" if summary.get("mini_batches", 1) != 1 else ""
+        path = os.path.join(work, "runs", name, "summary.json")
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "w") as f:
+                json.dump(summary, f)
+            restored += 1
+    return restored
+
+
 def cached_run(work: str, pair: str, arm_key: str, seed: int, setup: Setup,
                agents: list[str] | None = None) -> dict | None:
     """The summary of a finished run made with these settings, or None (none, or made with others)."""
