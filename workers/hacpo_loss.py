@@ -104,7 +104,7 @@ def hacpo_actor_loss(
         )
     # HACPO is defined with seq-mean-token-mean (spec §6) whatever actor.loss_agg_mode says.
     pg_loss = agg_loss(loss_mat, response_mask, "seq-mean-token-mean", **batch_info)
-    metrics = {key: Metric(value=value, aggregation=_aggregation_of(key)) for key, value in pg_metrics.items()}
+    metrics = {key: Metric(value=value, aggregation=aggregation_of(key)) for key, value in pg_metrics.items()}
     if not bool(padded[K.IS_CROSS].any()):
         # no cross row in this micro-batch: neutral values, so min/max over the step stay honest
         metrics["hacpo/cross_ratio_min"] = Metric(value=float("inf"), aggregation=AggregationType.MIN)
@@ -133,7 +133,7 @@ def hacpo_actor_loss(
     return total, metrics
 
 
-def _aggregation_of(key: str):
+def aggregation_of(key: str):
     """`*_min` / `*_max` metrics are a min / max over micro-batches and ranks (verl's `Metric`
     does both); everything else is a mean."""
     from verl.utils.metric import AggregationType
