@@ -8,6 +8,7 @@ verl's worker API directly; every DataProto ↔ TensorDict conversion lives here
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 from dataclasses import dataclass
@@ -21,12 +22,14 @@ from recipe_hacpo import batch_keys as K
 from recipe_hacpo.config import AgentSpec, HacpoSettings
 from recipe_hacpo.exchange import eos_token_ids
 from recipe_hacpo.placement import make_pool, request_for
+from recipe_hacpo.workers.hacpo_loss import aggregation_of
 from verl import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.utils import hf_tokenizer
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
 from verl.utils.fs import copy_to_local
+from verl.utils.metric import AggregationType, Metric, reduce_metrics
 from verl.workers.utils.padding import left_right_2_no_padding, no_padding_2_padding
 
 
@@ -151,7 +154,7 @@ class AgentRuntime:
         return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
 
     def update(self, batch: DataProto, rows_per_prompt: int) -> dict[str, float]:
-        """Mini-batch updates on the learner batch; returns the actor's metrics (means over updates).
+        """Mini-batch updates on the learner batch; returns the actor's metrics (`_step_metrics`).
 
         `actor.ppo_mini_batch_size` keeps verl's meaning: prompts per optimizer update, each
         with all its rows (own and, when sharing, cross), so an update holds
@@ -193,7 +196,7 @@ class AgentRuntime:
             distillation_only=False,
         )
         output = self.wg.update_actor(td)
-        metrics = _mean_metrics(tu.get(output, "metrics"))
+        metrics = _step_metrics(tu.get(output, "metrics"))
         self.last_update_record = self.wg.hacpo_update_record()
         metrics.update(_record_metrics(self.last_update_record))
         return metrics
@@ -262,29 +265,31 @@ _AGENT_LOOP_BOOKKEEPING = (
 )
 
 
-def _mean_metrics(metrics: dict) -> dict[str, float]:
-    """One value per key from the worker's per-mini-batch metrics: the mean over the step's
-    updates, except `*_min` / `*_max`, which stay a min / max (a key whose every value is an
-    infinite placeholder, e.g. a cross-ratio min in a step without cross rows, is left out)."""
-    out = {}
-    for key, value in metrics.items():
-        values = value if isinstance(value, list) else [value]
-        flat = []
-        for v in values:
-            v = getattr(v, "value", v)
-            if isinstance(v, torch.Tensor):
-                v = v.float().mean().item()
-            try:
-                flat.append(float(v))
-            except (TypeError, ValueError):
-                continue
-        if not flat:
-            continue
-        if key.endswith(("_min", "_max")):
-            finite = [v for v in flat if np.isfinite(v)]
-            if finite:
-                out[key] = float(min(finite) if key.endswith("_min") else max(finite))
-        else:
-            out[key] = float(np.mean(flat))
-    return out
+def _step_metrics(metrics: dict) -> dict[str, float]:
+    """One value per key from the worker's per-mini-batch metrics ({key: [one value per
+    mini-batch]}, verl's `train_mini_batch` output), reduced by verl's `reduce_metrics` with the
+    aggregation the loss gives that key per micro-batch (`hacpo_loss.aggregation_of`): a mean
+    over the step's updates, except `*_min` / `*_max`, which stay a min / max. An infinite
+    min / max is the placeholder of a mini-batch without cross rows: it is left out, and a key
+    with no finite value left is not reported."""
+    reducible = {}
+    for key, values in metrics.items():
+        metric = Metric(aggregation_of(key))
+        extremum = metric.aggregation in (AggregationType.MIN, AggregationType.MAX)
+        for value in values if isinstance(values, list) else [values]:
+            number = _as_number(value)
+            if number is not None and not (extremum and not math.isfinite(number)):
+                metric.append(number)
+        if metric.values:
+            reducible[key] = metric
+    return {key: float(value) for key, value in reduce_metrics(reducible).items()}
 
+
+def _as_number(value) -> float | None:
+    """A reported metric value as a float (a tensor: its mean); None for non-numeric values."""
+    if isinstance(value, torch.Tensor):
+        return value.float().mean().item()
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return None

@@ -7,60 +7,14 @@ Every error is one line: the dotted key, the value, the rule, and the fix.
 from __future__ import annotations
 
 import copy
-import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from recipe_hacpo.core_algos import CROSS_CLIP_MODES, CROSS_RATIO_LENGTHS
+from recipe_hacpo.hacpo_settings import ConfigError, HacpoSettings
 
-MODES = ("hacpo", "naive", "isolated")
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message is one line naming the key at fault."""
-
-
-@dataclass(frozen=True)
-class HacpoSettings:
-    """Typed `algorithm.hacpo` (see configs/hacpo_trainer.yaml for each key's meaning)."""
-
-    mode: str = "hacpo"
-    capability_baseline: bool = True
-    discrepancy_coefficient: bool = True
-    alpha: float = 1.0
-    cross_clip: str = "stepwise"
-    delta: float = 0.2
-    delta_step: float = 0.025
-    window: int = 5
-    capability_floor: float = 1e-3
-    omega_clip: tuple[float, float] = (0.1, 10.0)
-    norm_by_std: bool = True
-    baseline_cap: float | None = 1.0
-    cross_ratio_length: str = "each"
-
-    @property
-    def shares(self) -> bool:
-        """Whether learners see each other's rollouts."""
-        return self.mode != "isolated"
-
-    def effective(self) -> "HacpoSettings":
-        """The settings the Naive baseline implies (spec §8); HACPO and isolated unchanged."""
-        if self.mode != "naive":
-            return self
-        return replace(self, capability_baseline=False, discrepancy_coefficient=False, alpha=0.0, cross_clip="gspo")
-
-    def loss_kwargs(self) -> dict:
-        """What each actor worker's loss needs (workers.hacpo_loss.HacpoLossConfig)."""
-        eff = self.effective()
-        return {
-            "alpha": eff.alpha,
-            "delta": eff.delta,
-            "delta_step": eff.delta_step,
-            "cross_clip": eff.cross_clip,
-            "cross_ratio_length": eff.cross_ratio_length,
-        }
+__all__ = ["AgentSpec", "ConfigError", "HacpoSettings", "agent_specs", "agent_verl_config", "hacpo_settings", "validate"]
 
 
 @dataclass(frozen=True)
@@ -81,23 +35,8 @@ class AgentSpec:
 
 
 def hacpo_settings(cfg: DictConfig) -> HacpoSettings:
-    raw = OmegaConf.to_container(cfg.algorithm.get("hacpo", {}), resolve=True) or {}
-    known = set(HacpoSettings.__dataclass_fields__)
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ConfigError(
-            f"algorithm.hacpo.{unknown[0]}: unknown key; known keys are {', '.join(sorted(known))}"
-        )
-    if "omega_clip" in raw:
-        raw["omega_clip"] = tuple(float(v) for v in raw["omega_clip"])
-    if raw.get("baseline_cap") is not None:
-        try:
-            raw["baseline_cap"] = float(raw["baseline_cap"])
-        except (TypeError, ValueError):
-            raise ConfigError(
-                f"algorithm.hacpo.baseline_cap={raw['baseline_cap']!r}: must be a number (the reward ceiling) or null"
-            ) from None
-    return HacpoSettings(**raw)
+    """`algorithm.hacpo`, typed and checked (`HacpoSettings.from_dict`, the one validation)."""
+    return HacpoSettings.from_dict(OmegaConf.to_container(cfg.algorithm.get("hacpo", {}), resolve=True) or {})
 
 
 def agent_specs(cfg: DictConfig) -> list[AgentSpec]:
@@ -130,36 +69,6 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     """Reject a configuration that cannot work, before any Ray worker starts."""
     specs = agent_specs(cfg)
     hacpo = hacpo_settings(cfg)
-
-    if hacpo.mode not in MODES:
-        raise ConfigError(f"algorithm.hacpo.mode={hacpo.mode!r}: must be one of {', '.join(MODES)}")
-    if hacpo.cross_clip not in CROSS_CLIP_MODES[:3]:
-        raise ConfigError(
-            f"algorithm.hacpo.cross_clip={hacpo.cross_clip!r}: must be stepwise, fixed or none "
-            "(the Naive baseline is algorithm.hacpo.mode=naive)"
-        )
-    if hacpo.cross_ratio_length not in CROSS_RATIO_LENGTHS:
-        raise ConfigError(
-            f"algorithm.hacpo.cross_ratio_length={hacpo.cross_ratio_length!r}: must be each (both authors' code) "
-            "or source (the paper's Eq. 11, one exponent 1/|y^(j)|)"
-        )
-    if hacpo.alpha < 0:
-        raise ConfigError(f"algorithm.hacpo.alpha={hacpo.alpha}: must be >= 0 (0 turns §4 off)")
-    if not 0 <= hacpo.delta < 1:
-        raise ConfigError(f"algorithm.hacpo.delta={hacpo.delta}: must be in [0, 1) (first lower bound 1 − δ)")
-    if hacpo.delta_step < 0:
-        raise ConfigError(f"algorithm.hacpo.delta_step={hacpo.delta_step}: must be >= 0")
-    if hacpo.window < 1:
-        raise ConfigError(f"algorithm.hacpo.window={hacpo.window}: must be >= 1 (K steps)")
-    if not hacpo.capability_floor > 0:
-        raise ConfigError(f"algorithm.hacpo.capability_floor={hacpo.capability_floor}: must be > 0")
-    if hacpo.baseline_cap is not None and not math.isfinite(hacpo.baseline_cap):
-        raise ConfigError(
-            f"algorithm.hacpo.baseline_cap={hacpo.baseline_cap}: must be a finite number (the reward ceiling) or null (no guard)"
-        )
-    lo, hi = hacpo.omega_clip
-    if not 0 < lo <= 1 <= hi:
-        raise ConfigError(f"algorithm.hacpo.omega_clip={[lo, hi]}: must satisfy 0 < ω_min <= 1 <= ω_max")
 
     names = [s.name for s in specs]
     for s in specs:

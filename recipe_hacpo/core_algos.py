@@ -23,6 +23,9 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+# the keys' defaults and the allowed values are declared once, in recipe_hacpo.hacpo_settings
+from recipe_hacpo.hacpo_settings import CROSS_CLIP_MODES, CROSS_RATIO_LENGTHS, DEFAULTS
+
 __all__ = [
     "CROSS_CLIP_MODES",
     "CROSS_RATIO_LENGTHS",
@@ -37,14 +40,6 @@ __all__ = [
     "seq_mean_token_mean",
     "compute_hacpo_policy_loss",
 ]
-
-CROSS_RATIO_LENGTHS = ("each", "source")
-"""Length normaliser of the cross ratio (§4): each (each tokenisation's own length, the authors'
-code) or source (one exponent 1/|y^(j)|, the paper's Eq. 11)."""
-
-CROSS_CLIP_MODES = ("stepwise", "fixed", "none", "gspo")
-"""How cross samples are clipped (§5, §8): stepwise (paper), fixed (δ_step = 0), none (no
-clip), gspo (the Naive baseline: cross rows get the own-sample GSPO term)."""
 
 # verl clamps the log of the GSPO ratio at 10 for numerical stability; the same bound is
 # applied here so that one agent with no cross rows reproduces verl's `gspo` loss exactly.
@@ -67,9 +62,9 @@ class CapabilityTracker:
     def __init__(
         self,
         num_agents: int,
-        window: int = 5,
-        floor: float = 1e-3,
-        omega_clip: tuple[float, float] = (0.1, 10.0),
+        window: int = DEFAULTS.window,
+        floor: float = DEFAULTS.capability_floor,
+        omega_clip: tuple[float, float] = DEFAULTS.omega_clip,
     ) -> None:
         if num_agents < 1:
             raise ValueError(f"CapabilityTracker: num_agents must be >= 1, got {num_agents}")
@@ -147,7 +142,7 @@ def capability_ratio(
     capability: torch.Tensor | Sequence[float],
     k: int,
     j: int,
-    omega_clip: tuple[float, float] = (0.1, 10.0),
+    omega_clip: tuple[float, float] = DEFAULTS.omega_clip,
 ) -> float:
     """ω^(k,j) = clamp(P̂^(k) / P̂^(j), ω_min, ω_max); exactly 1 when k == j.
 
@@ -166,7 +161,7 @@ def capability_ratios(
     capability: torch.Tensor | Sequence[float],
     numerator: torch.Tensor | np.ndarray | int,
     denominator: torch.Tensor | np.ndarray | int,
-    omega_clip: tuple[float, float] = (0.1, 10.0),
+    omega_clip: tuple[float, float] = DEFAULTS.omega_clip,
 ) -> torch.Tensor:
     """Row-wise ω^(a_i, b_i) = clamp(P̂^(a_i) / P̂^(b_i)), 1 where a_i == b_i; float64 [B].
 
@@ -202,9 +197,9 @@ def capability_baseline(
     learner: int,
     capability: torch.Tensor | Sequence[float],
     *,
-    use_capability_baseline: bool = True,
-    omega_clip: tuple[float, float] = (0.1, 10.0),
-    baseline_cap: float | None = 1.0,
+    use_capability_baseline: bool = DEFAULTS.capability_baseline,
+    omega_clip: tuple[float, float] = DEFAULTS.omega_clip,
+    baseline_cap: float | None = DEFAULTS.baseline_cap,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The group baseline μ̂^(k)_g of spec §2, per row, and where the baseline guard caught it.
 
@@ -251,11 +246,11 @@ def compute_hacpo_advantage(
     learner: int,
     capability: torch.Tensor | Sequence[float],
     *,
-    use_capability_baseline: bool = True,
-    norm_by_std: bool = True,
+    use_capability_baseline: bool = DEFAULTS.capability_baseline,
+    norm_by_std: bool = DEFAULTS.norm_by_std,
     epsilon: float = 1e-6,
-    omega_clip: tuple[float, float] = (0.1, 10.0),
-    baseline_cap: float | None = 1.0,
+    omega_clip: tuple[float, float] = DEFAULTS.omega_clip,
+    baseline_cap: float | None = DEFAULTS.baseline_cap,
 ) -> torch.Tensor:
     """Capability-aware group advantage of learner k (spec §2).
 
@@ -324,7 +319,12 @@ def compute_hacpo_advantage(
 # ---------------------------------------------------------------------------------------
 # §5 stepwise clipping bound
 # ---------------------------------------------------------------------------------------
-def cross_lower_bound(update_index: int, delta: float = 0.2, delta_step: float = 0.025, cross_clip: str = "stepwise") -> float:
+def cross_lower_bound(
+    update_index: int,
+    delta: float = DEFAULTS.delta,
+    delta_step: float = DEFAULTS.delta_step,
+    cross_clip: str = DEFAULTS.cross_clip,
+) -> float:
     """lower_m of spec §5: the lower clip bound of cross ratios at update m.
 
         stepwise: lower_m = min(1, 1 − δ + m·δ_step)
@@ -345,7 +345,7 @@ def cross_lower_bound(update_index: int, delta: float = 0.2, delta_step: float =
 # ---------------------------------------------------------------------------------------
 # §4 exponential importance sampling
 # ---------------------------------------------------------------------------------------
-def exponential_is_weight(clipped_ratio: torch.Tensor, alpha: float = 1.0) -> torch.Tensor:
+def exponential_is_weight(clipped_ratio: torch.Tensor, alpha: float = DEFAULTS.alpha) -> torch.Tensor:
     """c · sg(c)^α (spec §4): the gradient is c's, the value is damped by c^α.
 
     α = 0 gives c (mechanism off). Samples the learner finds unlikely (small c) are
@@ -385,13 +385,13 @@ def hacpo_policy_loss_matrix(
     omega: torch.Tensor,
     source_log_prob_mean: torch.Tensor,
     update_index: int,
-    alpha: float = 1.0,
-    delta: float = 0.2,
-    delta_step: float = 0.025,
-    cross_clip: str = "stepwise",
+    alpha: float = DEFAULTS.alpha,
+    delta: float = DEFAULTS.delta,
+    delta_step: float = DEFAULTS.delta_step,
+    cross_clip: str = DEFAULTS.cross_clip,
     clip_ratio_low: float = 3e-4,
     clip_ratio_high: float = 4e-4,
-    cross_ratio_length: str = "each",
+    cross_ratio_length: str = DEFAULTS.cross_ratio_length,
     source_response_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token HACPO loss ℓ_{i,t}, [B, T], and its metrics (spec §6).
@@ -514,13 +514,13 @@ def compute_hacpo_policy_loss(
     omega: torch.Tensor,
     source_log_prob_mean: torch.Tensor,
     update_index: int,
-    alpha: float = 1.0,
-    delta: float = 0.2,
-    delta_step: float = 0.025,
-    cross_clip: str = "stepwise",
+    alpha: float = DEFAULTS.alpha,
+    delta: float = DEFAULTS.delta,
+    delta_step: float = DEFAULTS.delta_step,
+    cross_clip: str = DEFAULTS.cross_clip,
     clip_ratio_low: float = 3e-4,
     clip_ratio_high: float = 4e-4,
-    cross_ratio_length: str = "each",
+    cross_ratio_length: str = DEFAULTS.cross_ratio_length,
     source_response_length: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The HACPO loss of learner k on one mini-batch (spec §6), mean over its sequences.

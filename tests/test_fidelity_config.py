@@ -32,9 +32,8 @@ def test_cross_ratio_length_reaches_the_loss():
     cfg = _compose(PRESET, GPUS_8 + ["algorithm.hacpo.cross_ratio_length=source"])
     _, hacpo = validate(cfg, check_paths=False)
     assert hacpo.loss_kwargs()["cross_ratio_length"] == "source"
-    from recipe_hacpo.workers.hacpo_loss import HacpoLossConfig
-
-    assert HacpoLossConfig(**hacpo.loss_kwargs()).cross_ratio_length == "source"
+    # what an actor worker rebuilds from what the driver ships
+    assert HacpoSettings.from_dict(hacpo.loss_kwargs()).cross_ratio_length == "source"
 
 
 @pytest.mark.parametrize(
@@ -42,7 +41,7 @@ def test_cross_ratio_length_reaches_the_loss():
     [
         (["algorithm.hacpo.baseline_cap=abc"], r"algorithm\.hacpo\.baseline_cap='abc': must be a number"),
         (["algorithm.hacpo.baseline_cap=inf"], r"algorithm\.hacpo\.baseline_cap=inf: must be a finite number"),
-        (["algorithm.hacpo.cross_ratio_length=learner"], r"algorithm\.hacpo\.cross_ratio_length='learner': must be each"),
+        (["algorithm.hacpo.cross_ratio_length=learner"], r"algorithm\.hacpo\.cross_ratio_length='learner': must be one of each, source"),
     ],
 )
 def test_bad_hacpo_keys_fail_with_one_line(extra, message):

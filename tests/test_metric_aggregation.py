@@ -8,19 +8,19 @@ import math
 
 from verl.utils.metric import AggregationType, Metric
 
-from recipe_hacpo.agent_runtime import _mean_metrics
-from recipe_hacpo.workers.hacpo_loss import _aggregation_of
+from recipe_hacpo.agent_runtime import _step_metrics
+from recipe_hacpo.workers.hacpo_loss import aggregation_of
 
 
 def test_each_loss_metric_family_has_its_aggregation():
-    assert _aggregation_of("hacpo/cross_ratio_min") is AggregationType.MIN
-    assert _aggregation_of("hacpo/cross_ratio_max") is AggregationType.MAX
+    assert aggregation_of("hacpo/cross_ratio_min") is AggregationType.MIN
+    assert aggregation_of("hacpo/cross_ratio_max") is AggregationType.MAX
     for key in ("hacpo/cross_ratio_mean", "hacpo/cross_clipfrac_low", "hacpo/lower_bound", "actor/pg_clipfrac"):
-        assert _aggregation_of(key) is AggregationType.MEAN
+        assert aggregation_of(key) is AggregationType.MEAN
 
 
 def _per_rank(key: str, values: list[float]) -> Metric:
-    m = Metric(aggregation=_aggregation_of(key))
+    m = Metric(aggregation=aggregation_of(key))
     for v in values:
         m.append(v)
     return m
@@ -41,13 +41,13 @@ def test_min_and_max_over_micro_batches_ranks_and_mini_batches():
         for key, ranks in mb.items():
             value = Metric.aggregate_dp([_per_rank(key, r) for r in ranks])  # verl's rank reduction
             per_step.setdefault(key, []).append(float(value))
-    out = _mean_metrics(per_step)
+    out = _step_metrics(per_step)
     assert out["hacpo/cross_ratio_min"] == 0.85  # a mean of minima would be 0.865
     assert out["hacpo/cross_ratio_max"] == 1.20  # a mean of maxima would be 1.15
     assert math.isclose(out["hacpo/cross_ratio_mean"], (0.95 + 0.97 + 0.90 + 0.98 + 0.93 + 0.99 + 0.91 + 0.97) / 8)
 
 
 def test_a_step_without_cross_rows_reports_no_cross_ratio_extremes():
-    out = _mean_metrics({"hacpo/cross_ratio_min": [math.inf, math.inf], "hacpo/cross_ratio_max": [-math.inf],
+    out = _step_metrics({"hacpo/cross_ratio_min": [math.inf, math.inf], "hacpo/cross_ratio_max": [-math.inf],
                          "actor/pg_loss": [0.5, 0.25]})
     assert out == {"actor/pg_loss": 0.375}

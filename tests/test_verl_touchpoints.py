@@ -214,16 +214,11 @@ def test_10_update_index_reaches_every_mini_batch_through_verls_train_mini_batch
     """verl's own `TrainingWorker.train_mini_batch` (only the engine and the per-mini-batch
     `train_batch` underneath are stand-ins): HacpoTrainingWorker numbers every mini-batch of
     every epoch, m = 0 .. N·epochs − 1, in the order verl runs them."""
-    from contextlib import nullcontext
-    from types import SimpleNamespace
-
-    import torch
     from tensordict import TensorDict
+    from training_worker import run_train_mini_batch
     from verl.utils import tensordict_utils as tu
-    from verl.workers.engine_workers import TrainingWorker
 
     from recipe_hacpo import batch_keys as K
-    from recipe_hacpo.workers.hacpo_worker import HacpoTrainingWorker
 
     seen: list[int] = []
 
@@ -231,16 +226,41 @@ def test_10_update_index_reaches_every_mini_batch_through_verls_train_mini_batch
         seen.append(tu.get_non_tensor_data(data=data, key=K.UPDATE_INDEX, default=None))
         return TensorDict({}, batch_size=[])
 
-    monkeypatch.setattr(TrainingWorker, "train_batch", engine_step)
-    worker = object.__new__(HacpoTrainingWorker)
-    worker.engine = SimpleNamespace(
-        get_data_parallel_size=lambda: 1, get_data_parallel_rank=lambda: 0,
-        train_mode=lambda **_: nullcontext(), is_mp_src_rank_with_outputs=lambda: False,
-    )
-    worker.profiler = SimpleNamespace(step=lambda: None)
-    data = TensorDict({K.IS_CROSS: torch.tensor([False, True] * 4)}, batch_size=[8])
-    tu.assign_non_tensor(data, mini_batch_size=2, epochs=2, seed=0, dataloader_kwargs={"shuffle": False})
-    worker.train_mini_batch(data)
+    worker, _ = run_train_mini_batch(monkeypatch, engine_step, rows=8, mini_batch_size=2, epochs=2, outputs=False)
     _contract("10 (train_mini_batch -> train_batch)", seen == list(range(8)),
               f"the loss saw update indices {seen} for 4 mini-batches x 2 epochs, expected 0..7")
     assert [r["update_index"] for r in worker.update_record] == list(range(8))
+
+
+def test_15_step_metrics_reduce_what_train_mini_batch_returns():
+    from verl.utils.metric import AggregationType, Metric, reduce_metrics
+    from verl.workers.engine_workers import TrainingWorker
+
+    src = _source(TrainingWorker.train_mini_batch)
+    _contract("15 (train_mini_batch metrics)", "Metric.aggregate_dp(val)" in src and "append_to_dict(metrics, output)" in src,
+              "TrainingWorker.train_mini_batch no longer reduces each mini-batch's per-rank Metric lists with "
+              "Metric.aggregate_dp into one value per mini-batch")
+
+    def _filled(aggregation, values):
+        m = Metric(aggregation)
+        m.extend(values)
+        return m
+
+    def ranks(aggregation, *per_rank):
+        return [_filled(aggregation, values) for values in per_rank]
+
+    # 2 ranks x 2 micro-batches
+    got = {
+        "min": Metric.aggregate_dp(ranks(AggregationType.MIN, [0.9, 0.7], [0.8, 0.95])),
+        "max": Metric.aggregate_dp(ranks(AggregationType.MAX, [1.1, 1.0], [1.3, 1.2])),
+        "sum": Metric.aggregate_dp(ranks(AggregationType.SUM, [0.1, 0.2], [0.3, 0.4])),
+        "mean": Metric.aggregate_dp(ranks(AggregationType.MEAN, [0.0, 0.5], [0.25, 0.25])),
+    }
+    want = {"min": 0.7, "max": 1.3, "sum": 0.2 + 0.3, "mean": (0.125 + 0.375) / 2}
+    for kind, value in want.items():
+        _contract(f"15 (Metric.aggregate_dp {kind})", abs(float(got[kind]) - value) < 1e-12,
+                  f"Metric.aggregate_dp of a {kind} metric gives {float(got[kind])}, expected {value}")
+    # a Metric's aggregation wins over its key's name (verl's own rule for plain lists is by name)
+    reduced = reduce_metrics({"hacpo/cross_ratio_max": _filled(AggregationType.MIN, [3.0, 1.0, 2.0])})
+    _contract("15 (reduce_metrics of a Metric)", float(reduced["hacpo/cross_ratio_max"]) == 1.0,
+              "reduce_metrics no longer reduces a Metric by its own aggregation")

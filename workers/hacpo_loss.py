@@ -14,43 +14,19 @@ micro-batch TensorDict:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 from tensordict import TensorDict
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.core_algos import CROSS_CLIP_MODES, CROSS_RATIO_LENGTHS, hacpo_policy_loss_matrix
-
-
-@dataclass(frozen=True)
-class HacpoLossConfig:
-    """The loss-side keys of `algorithm.hacpo` (spec §4–§6), shipped to every actor worker."""
-
-    alpha: float = 1.0  # α of §4; 0 turns exponential importance sampling off
-    delta: float = 0.2  # δ of §5; the first cross lower bound is 1 − δ
-    delta_step: float = 0.025  # δ_step of §5; 0 is the "fixed" ablation
-    cross_clip: str = "stepwise"  # stepwise | fixed | none | gspo (Naive baseline)
-    cross_ratio_length: str = "each"  # §4 length normaliser of the cross ratio: each | source
-
-    def __post_init__(self) -> None:
-        if self.cross_clip not in CROSS_CLIP_MODES:
-            raise ValueError(f"algorithm.hacpo cross_clip must be one of {CROSS_CLIP_MODES}, got {self.cross_clip!r}")
-        if self.cross_ratio_length not in CROSS_RATIO_LENGTHS:
-            raise ValueError(
-                f"algorithm.hacpo.cross_ratio_length must be one of {CROSS_RATIO_LENGTHS}, got {self.cross_ratio_length!r}"
-            )
-        if self.alpha < 0:
-            raise ValueError(f"algorithm.hacpo.alpha must be >= 0, got {self.alpha}")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
+from recipe_hacpo.core_algos import hacpo_policy_loss_matrix
+from recipe_hacpo.hacpo_settings import HacpoSettings
 
 
 def hacpo_actor_loss(
     actor_config,
-    hacpo: HacpoLossConfig,
+    hacpo: HacpoSettings,
     model_output,
     data: TensorDict,
     dp_group=None,
@@ -60,6 +36,8 @@ def hacpo_actor_loss(
 
     Aggregated with verl's `agg_loss` and the global batch info verl attaches, so gradient
     accumulation over micro-batches and data-parallel ranks gives the mini-batch mean.
+    `hacpo` is the run's effective `algorithm.hacpo` (`HacpoSettings.effective`); the loss
+    reads alpha, delta, delta_step, cross_clip and cross_ratio_length.
     `record(update_index=, lower_bound=, own_rows=, cross_rows=)`, when given, receives what
     this micro-batch's loss used (the worker keeps it per mini-batch, see hacpo_worker).
     """
@@ -126,7 +104,7 @@ def hacpo_actor_loss(
         )
     # HACPO is defined with seq-mean-token-mean (spec §6) whatever actor.loss_agg_mode says.
     pg_loss = agg_loss(loss_mat, response_mask, "seq-mean-token-mean", **batch_info)
-    metrics = {key: Metric(value=value, aggregation=_aggregation_of(key)) for key, value in pg_metrics.items()}
+    metrics = {key: Metric(value=value, aggregation=aggregation_of(key)) for key, value in pg_metrics.items()}
     if not bool(padded[K.IS_CROSS].any()):
         # no cross row in this micro-batch: neutral values, so min/max over the step stay honest
         metrics["hacpo/cross_ratio_min"] = Metric(value=float("inf"), aggregation=AggregationType.MIN)
@@ -155,7 +133,7 @@ def hacpo_actor_loss(
     return total, metrics
 
 
-def _aggregation_of(key: str):
+def aggregation_of(key: str):
     """`*_min` / `*_max` metrics are a min / max over micro-batches and ranks (verl's `Metric`
     does both); everything else is a mean."""
     from verl.utils.metric import AggregationType

@@ -19,7 +19,8 @@ from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.workers.hacpo_loss import HacpoLossConfig, hacpo_actor_loss
+from recipe_hacpo.hacpo_settings import HacpoSettings
+from recipe_hacpo.workers.hacpo_loss import hacpo_actor_loss
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
@@ -96,8 +97,9 @@ class HacpoActorRolloutRefWorker(ActorRolloutRefWorker):
 
     def __init__(self, config: DictConfig, role: str, hacpo_loss: dict | None = None, **kwargs):
         super().__init__(config, role, **kwargs)
-        # None: isolated mode, verl's own loss (actor.policy_loss.loss_mode) stays installed
-        self.hacpo_loss = HacpoLossConfig(**hacpo_loss) if hacpo_loss is not None else None
+        # None: isolated mode, verl's own loss (actor.policy_loss.loss_mode) stays installed.
+        # Otherwise the driver's HacpoSettings.loss_kwargs(), checked again by the one validation
+        self.hacpo_loss = HacpoSettings.from_dict(hacpo_loss) if hacpo_loss is not None else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):

@@ -1,0 +1,216 @@
+"""Every `algorithm.hacpo` key, declared once: its default, its meaning, its section of
+docs/ALGORITHM.md, and the rule its value must follow.
+
+Everything else derives from `HacpoSettings`: the `algorithm.hacpo` node of the YAML config
+(registered with Hydra in `recipe_hacpo/configs/__init__.py`, so no YAML file repeats a
+default), the keyword defaults of `recipe_hacpo.core_algos`, the settings every actor worker's
+loss receives, and the key table of docs/ALGORITHM.md (`markdown_table`, checked by a test).
+
+`from_dict` is the one validation: the config check before Ray starts and every actor worker
+call it, and every error is one line naming `algorithm.hacpo.<key>`.
+
+Pure Python (no torch, no OmegaConf), so `core_algos` can import it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, Callable
+
+PATH = "algorithm.hacpo"
+
+MODES = ("hacpo", "naive", "isolated")
+"""hacpo: the paper's method | naive: shared rollouts without HACPO's corrections | isolated:
+no sharing (the GSPO / GRPO / GSPO×2 baselines)."""
+
+USER_CROSS_CLIPS = ("stepwise", "fixed", "none")
+"""The cross clips a user may set (§5)."""
+
+NAIVE_CROSS_CLIP = "gspo"
+"""The cross clip the Naive baseline implies (§8): cross rows get the own-row GSPO term. Not
+set by users: `mode=naive` selects it (`HacpoSettings.effective`)."""
+
+CROSS_CLIP_MODES = USER_CROSS_CLIPS + (NAIVE_CROSS_CLIP,)
+"""Every cross clip the loss accepts."""
+
+CROSS_RATIO_LENGTHS = ("each", "source")
+"""Length normaliser of the cross ratio (§4): each (each tokenisation's own length, the authors'
+code) or source (one exponent 1/|y^(j)|, the paper's Eq. 11)."""
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot work; the message is one line naming the key at fault."""
+
+
+def _key(default: Any, section: str, meaning: str, *, choices: tuple = (), rule: tuple | None = None):
+    """One `algorithm.hacpo` key. `rule` is (predicate on the typed value, what it must be)."""
+    return field(default=default, metadata={"section": section, "meaning": meaning, "choices": choices, "rule": rule})
+
+
+@dataclass(frozen=True)
+class HacpoSettings:
+    """Typed `algorithm.hacpo`; each field's metadata holds its meaning and ALGORITHM.md section."""
+
+    mode: str = _key(
+        "hacpo", "§8", "`hacpo` (the method) | `naive` (joint group, plain mean/std, cross rows as GSPO "
+        "rows against the source's log-probs, no ω, α = 0) | `isolated` (no sharing: GSPO / GRPO / GSPO×2)",
+        choices=MODES,
+    )
+    capability_baseline: bool = _key(
+        True, "§2", "ω-weighted baseline μ̂ = mean(ω⁽ᵏ,ˢʳᶜ⁾·R); `false`: plain group mean (ablation)"
+    )
+    discrepancy_coefficient: bool = _key(
+        True, "§3", "multiply cross rows by ω⁽ʲ,ᵏ⁾; `false`: coefficient 1 (ablation)"
+    )
+    alpha: float = _key(
+        1.0, "§4", "exponent α of c·sg(c)^α; 0 turns the reweighting off (paper: 3 for some pairs)",
+        rule=(lambda v: v >= 0, "be >= 0 (0 turns §4 off)"),
+    )
+    cross_ratio_length: str = _key(
+        "each", "§4", "length normaliser of s: `each` (mean over each agent's own tokens, as both of the "
+        "authors' implementations compute) | `source` (paper's Eq. 11, one exponent 1/|y⁽ʲ⁾|)",
+        choices=CROSS_RATIO_LENGTHS,
+    )
+    cross_clip: str = _key(
+        "stepwise", "§5", "`stepwise` (paper) | `fixed` (δ_step = 0) | `none` (no cross clip)",
+        choices=CROSS_CLIP_MODES,
+    )
+    delta: float = _key(
+        0.2, "§5", "δ: the first lower bound is 1 − δ (paper: 0.1 for the Llama pair)",
+        rule=(lambda v: 0 <= v < 1, "be in [0, 1) (first lower bound 1 − δ)"),
+    )
+    delta_step: float = _key(
+        0.025, "§5", "δ_step: rise of the lower bound per optimizer update within a step (paper: 0.01 for some pairs)",
+        rule=(lambda v: v >= 0, "be >= 0"),
+    )
+    window: int = _key(5, "§1", "K, steps in the capability window", rule=(lambda v: v >= 1, "be >= 1 (K steps)"))
+    capability_floor: float = _key(
+        0.001, "§1", "ε_P, floor of P̂ so ω stays finite", rule=(lambda v: v > 0, "be > 0")
+    )
+    omega_clip: tuple[float, float] = _key(
+        (0.1, 10.0), "§1", "[ω_min, ω_max], clamp of every capability ratio",
+        rule=(lambda v: 0 < v[0] <= 1 <= v[1], "satisfy 0 < ω_min <= 1 <= ω_max"),
+    )
+    norm_by_std: bool = _key(True, "§2", "divide by σ_g (`false`: Dr.GRPO style)")
+    baseline_cap: float | None = _key(
+        1.0, "§2", "baseline guard: a group whose μ̂ exceeds it uses the learner's own-sample mean (both of "
+        "the authors' implementations; 1.0 is the ceiling of 0/1 rewards); `null`: no guard (the paper's formula)",
+        rule=(lambda v: v is None or math.isfinite(v), "be a finite number (the reward ceiling) or null (no guard)"),
+    )
+
+    @property
+    def shares(self) -> bool:
+        """Whether learners see each other's rollouts."""
+        return self.mode != "isolated"
+
+    def effective(self) -> "HacpoSettings":
+        """The settings the Naive baseline implies (§8); HACPO and isolated unchanged."""
+        if self.mode != "naive":
+            return self
+        return replace(
+            self, capability_baseline=False, discrepancy_coefficient=False, alpha=0.0, cross_clip=NAIVE_CROSS_CLIP
+        )
+
+    def loss_kwargs(self) -> dict:
+        """The effective settings as plain data, as they travel to every actor worker, which
+        rebuilds and re-checks them with `HacpoSettings.from_dict`."""
+        return asdict(self.effective())
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "HacpoSettings":
+        """The one validation of `algorithm.hacpo`: unknown keys, types, each key's rule, and
+        the rules between keys. Missing keys take their default."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ConfigError(f"{PATH}.{unknown[0]}: unknown key; known keys are {', '.join(sorted(known))}")
+        typed = {name: _coerce(known[name], value) for name, value in raw.items()}
+        settings = cls(**typed)
+        for f in fields(cls):
+            value = getattr(settings, f.name)
+            rule = f.metadata["rule"]
+            if rule is not None and not rule[0](value):
+                raise ConfigError(f"{_at(f.name, value)}: must {rule[1]}")
+        if settings.cross_clip == NAIVE_CROSS_CLIP and settings.mode != "naive":
+            raise ConfigError(
+                f"{_at('cross_clip', settings.cross_clip)}: must be {', '.join(USER_CROSS_CLIPS[:-1])} or "
+                f"{USER_CROSS_CLIPS[-1]} (the Naive baseline is {PATH}.mode=naive)"
+            )
+        return settings
+
+
+DEFAULTS = HacpoSettings()
+"""Every key at its default; `core_algos` takes its keyword defaults from here."""
+
+
+def _at(name: str, value: Any) -> str:
+    shown = list(value) if isinstance(value, tuple) else value
+    return f"{PATH}.{name}={shown!r}"
+
+
+def _number(value: Any) -> float | None:
+    """`value` as a float, or None when it is not a number (bools are not numbers here)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _coerce(f, value: Any) -> Any:
+    """`value` in the field's type, or a one-line ConfigError saying what the key takes."""
+    kind = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+    if kind == "bool":
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{_at(f.name, value)}: must be true or false")
+    if kind == "str":
+        if value in f.metadata["choices"]:
+            return value
+        raise ConfigError(f"{_at(f.name, value)}: must be one of {', '.join(f.metadata['choices'])}")
+    if kind == "int":
+        number = _number(value)
+        if number is not None and number.is_integer():
+            return int(number)
+        raise ConfigError(f"{_at(f.name, value)}: must be a whole number")
+    if kind == "float" or (kind == "float | None" and value is not None):
+        number = _number(value)
+        if number is not None:
+            return number
+        raise ConfigError(f"{_at(f.name, value)}: must be a number" + (" or null" if "None" in kind else ""))
+    if kind == "float | None":
+        return None
+    if kind == "tuple[float, float]":
+        pair = [_number(v) for v in value] if isinstance(value, (list, tuple)) else []
+        if len(pair) == 2 and None not in pair:
+            return (pair[0], pair[1])
+        raise ConfigError(f"{_at(f.name, value)}: must be a list [low, high] of two numbers")
+    raise TypeError(f"HacpoSettings.{f.name}: no coercion for type {kind}")  # a new field needs one here
+
+
+def defaults_node() -> dict:
+    """The `algorithm.hacpo` node of the YAML config: every key at its default, as plain data."""
+    node = asdict(DEFAULTS)
+    node["omega_clip"] = list(node["omega_clip"])
+    return node
+
+
+def _shown_default(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, tuple):
+        return f"[{', '.join(str(v) for v in value)}]"
+    return str(value)
+
+
+def markdown_table() -> str:
+    """The key table of docs/ALGORITHM.md, generated from the declaration above."""
+    lines = ["| key | default | § | meaning |", "|---|---|---|---|"]
+    for f in fields(HacpoSettings):
+        lines.append(
+            f"| `{f.name}` | `{_shown_default(f.default)}` | {f.metadata['section']} | "
+            + f.metadata["meaning"].replace("|", "\\|")
+            + " |"
+        )
+    return "\n".join(lines)
