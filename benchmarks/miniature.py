@@ -54,7 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ablation-seeds", type=int, nargs="+", default=[0])
     p.add_argument("--ablation-steps", type=int, default=0,
                    help="steps of the ablation runs (0: --steps); must be a multiple of --val-every")
-    p.add_argument("--extra-pairs", default="none", help="comma list of other pairs (kinds of heterogeneity: state,size)")
+    p.add_argument("--extra-pairs", default="none",
+                   help="comma list of other pairs (kinds of heterogeneity: state,size); `pair:N` runs that pair "
+                        "with seeds 0..N-1 instead of --extra-seeds")
     p.add_argument("--extra-arms", default="gspo,gspo2x,hacpo", help="comma list of arms run for the other pairs")
     p.add_argument("--extra-seeds", type=int, nargs="+", default=[0, 1, 2], help="seeds of the other pairs")
     p.add_argument("--reading", default="", help="a Markdown file: the plain reading of the results, put in the report")
@@ -87,7 +89,13 @@ def main(argv: list[str] | None = None) -> int:
     restored = restore_cache(a.work, os.path.join(a.results, "runs.json"))
     if restored:
         log(f"{restored} run summaries restored from {a.results}/runs.json into {a.work}/runs")
-    extra = [] if a.extra_pairs == "none" else a.extra_pairs.split(",")
+    extra_seeds = {}  # pair -> its seeds
+    for item in ([] if a.extra_pairs == "none" else a.extra_pairs.split(",")):
+        name, _, count = item.partition(":")
+        if name not in PAIRS or (count and not count.isdigit()):
+            p.error(f"--extra-pairs {item!r}: expected one of {sorted(PAIRS)}, optionally with :<number of seeds>")
+        extra_seeds[name] = list(range(int(count))) if count else a.extra_seeds
+    extra = list(extra_seeds)
     keys = sorted({k for pr in [a.pair, *extra] for k in PAIRS[pr]}, key=list(AGENTS).index)
     agents = warm_agents(keys, os.path.join(a.work, "agents"), a.smoke)
 
@@ -98,8 +106,8 @@ def main(argv: list[str] | None = None) -> int:
     abl = [] if a.ablations == "none" else [k for k in a.ablations.split(",") if k]
     for seed in a.ablation_seeds:
         plan += [(a.pair, k, seed) for k in abl]
-    for seed in a.extra_seeds:
-        plan += [(pr, k, seed) for pr in extra for k in a.extra_arms.split(",") if k]
+    for seed in sorted({s for seeds in extra_seeds.values() for s in seeds}):
+        plan += [(pr, k, seed) for pr in extra if seed in extra_seeds[pr] for k in a.extra_arms.split(",") if k]
 
     notes = list(a.note)
     reading = ""

@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 from mini import report  # noqa: E402
-from mini.agents import AGENTS  # noqa: E402
+from mini.agents import AGENTS, PAIRS  # noqa: E402
 from mini.runs import Setup, diagnostics  # noqa: E402
 from mini.stats import paired, recovered_fraction, regime_holds  # noqa: E402
 
@@ -76,7 +76,7 @@ def _run(arm: str, seed: int, acc: dict[str, float], diag: dict | None = None, s
 
 
 def test_report_has_regime_recovered_fraction_and_diagnostics(tmp_path):
-    names = [AGENTS["Q"].name, AGENTS["L"].name]
+    names = [AGENTS[k].name for k in PAIRS["model"]]
     q, l = names
     steps = {1: {f"agent/{q}/omega/{l}": 0.5, f"agent/{q}/hacpo/cross_clipfrac_low": 0.6,
                  f"agent/{q}/hacpo/cross_clipfrac_high": 0.1, f"agent/{q}/reward/mean": 0.3,
@@ -92,7 +92,7 @@ def test_report_has_regime_recovered_fraction_and_diagnostics(tmp_path):
         runs += [_run("gspo", seed, {q: g, l: 0.2}), _run("gspo2x", seed, {q: g2, l: 0.2 + 0.01 * (seed + 1)}),
                  _run("hacpo", seed, {q: h, l: 0.2}, diag)]
     agents = {k: {"agent": AGENTS[k], "record": {"params": 1, "steps": 1, "seed": 0, "held_out_accuracy": 0.5}}
-              for k in ("Q", "L")}
+              for k in PAIRS["model"]}
     path = tmp_path / "report.md"
     report.write_report(str(path), runs, agents, Setup(4, 16, 2, 1e-4, 1.0, 4, 64, 64, 2), "cmd", [0, 1, 2],
                         [], 0.0, "model", reading="Sharing helped here.")

@@ -46,9 +46,18 @@ AGENTS = {
 
 # the paper's three kinds of heterogeneity
 PAIRS = {
-    "model": ("Q", "L"),  # different architecture, tokenizer and size: the main table
+    # different architecture and tokenizer, both agents solving 10-30 % of the task: the main table
+    "model": ("M", "L"),
+    # different architecture, tokenizer and size with a wide capability gap (66 % and 17 %)
+    "model_gap": ("Q", "L"),
     "state": ("Q", "Q1"),  # same architecture and tokenizer, different warm starts
     "size": ("Q", "M"),  # same family and tokenizer, different sizes
+}
+PAIR_KINDS = {
+    "model": "model heterogeneity: different architecture and tokenizer, both agents at 10–30 %",
+    "model_gap": "model heterogeneity with a wide capability gap: different architecture, tokenizer and size",
+    "state": "state heterogeneity: same architecture and tokenizer, different warm starts",
+    "size": "size heterogeneity: same family and tokenizer, different sizes",
 }
 
 

@@ -6,7 +6,7 @@ import math
 import statistics
 import time
 
-from mini.agents import PAIRS
+from mini.agents import PAIR_KINDS, PAIRS
 from mini.arms import ABLATIONS, ALL_ARMS, ARMS
 from mini.common import fmt_pm, machine
 from mini.runs import Setup
@@ -179,7 +179,7 @@ def pair_section(title: str, summaries: list[dict], agents: dict, pair: str, arm
     names = [agents[k]["agent"].name for k in PAIRS[pair]]
     header, sep = agent_table_header(names)
     runs = [s for s in summaries if s["pair"] == pair]
-    return [title, "", *agent_lines(agents, PAIRS[pair]), "", header, sep,
+    return [title, "", *agent_lines(agents, PAIRS[pair]), "", *regime_lines(runs, names), header, sep,
             *arm_rows(runs, arm_keys, names, at_step), "", *start_line(runs, names),
             *diagnostic_lines(runs, names, arm_keys), ""]
 
@@ -230,7 +230,7 @@ def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, c
         f"{2 * setup.group})",
         "",
         *regime_lines(main, names),
-        f"## Main table (pair `{pair}`: {' + '.join(names)}; seeds {main_seeds})",
+        f"## Main table (pair `{pair}`: {' + '.join(names)}, {PAIR_KINDS[pair]}; seeds {main_seeds})",
         "",
         *agent_lines(agents, PAIRS[pair]),
         "",
@@ -273,7 +273,8 @@ def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, c
         lines += ["## Kinds of heterogeneity", ""]
     for p in other:
         pn = [agents[k]["agent"].name for k in PAIRS[p]]
-        lines += pair_section(f"### Pair `{p}`: {' + '.join(pn)}", summaries, agents, p, list(ALL_ARMS))
+        lines += pair_section(f"### Pair `{p}`: {' + '.join(pn)} ({PAIR_KINDS[p]})", summaries, agents, p,
+                              list(ALL_ARMS))
     if reading:
         lines += ["## Reading", "", reading.strip(), ""]
     if notes:
