@@ -302,6 +302,9 @@ def write_cost_profile(path: str, summaries: list[dict], setup: Setup, command: 
     lines = [
         "# Cost profile: time per phase per step, HACPO against isolated GSPO (CPU, real trainer)",
         "",
+        "A HACPO step of this checkout against the old rollout path, side by side with the same seeds, and where "
+        "an actor worker's time goes: `step_speed.md` (`benchmarks/step_speed.py`).",
+        "",
         f"Command: `{command}`",
         "",
         f"Machine: {machine()}.",
