@@ -90,12 +90,7 @@ def hacpo_actor_loss(
         )
     update_index = int(update_index)
 
-    fields = ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN]
-    if hacpo.cross_ratio_length == "source":
-        fields.append(K.SOURCE_RESPONSE_LENGTH)
-    if actor_config.use_kl_loss:
-        fields.append("ref_log_prob")
-    padded = data.select(*fields).to_padded_tensor()
+    padded = data.select(*loss_fields(hacpo, actor_config.use_kl_loss)).to_padded_tensor()
     response_mask = padded["response_mask"].to(bool)
 
     loss_mat, pg_metrics = hacpo_policy_loss_matrix(
@@ -153,6 +148,16 @@ def hacpo_actor_loss(
             "check rewards and log-probs of this batch"
         )
     return total, metrics
+
+
+def loss_fields(hacpo: HacpoLossConfig, use_kl_loss: bool) -> list[str]:
+    """The per-row tensors of the micro-batch the HACPO loss reads (besides the model's inputs)."""
+    fields = ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN]
+    if hacpo.cross_ratio_length == "source":
+        fields.append(K.SOURCE_RESPONSE_LENGTH)
+    if use_kl_loss:
+        fields.append("ref_log_prob")
+    return fields
 
 
 def _aggregation_of(key: str):
