@@ -11,6 +11,8 @@ No Ray: the worker group is a stand-in that records what it was sent.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -22,7 +24,7 @@ from recipe_hacpo import batch_keys as K
 from recipe_hacpo.agent_runtime import WORKER_NON_TENSOR_FIELDS, AgentRuntime
 from recipe_hacpo.exchange import pack_rows
 from recipe_hacpo.trainer import _LEARNER_NON_TENSOR, _concat_rows, _tag
-from recipe_hacpo.workers.hacpo_loss import HacpoLossConfig, loss_fields
+from recipe_hacpo.workers.hacpo_loss import loss_fields
 
 PROMPTS, N = 4, 2  # rows per prompt per agent
 
@@ -125,7 +127,7 @@ def test_update_ships_tensors_the_loss_reads_and_no_text_field(tiny_agent_paths)
     assert _per_row_objects(sent) == [], "a per-row object field is shipped to the update"
     for key in _LEARNER_NON_TENSOR:
         assert key not in sent.keys(), key
-    needed = set(loss_fields(HacpoLossConfig(cross_ratio_length="source"), use_kl_loss=False))
+    needed = set(loss_fields(SimpleNamespace(cross_ratio_length="source"), use_kl_loss=False))
     needed |= {"input_ids", "position_ids", "attention_mask", "prompts", "responses", "loss_mask"}
     assert needed <= set(sent.keys()), needed - set(sent.keys())
     assert sent.shape[0] == len(batch)

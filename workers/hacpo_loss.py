@@ -150,16 +150,6 @@ def hacpo_actor_loss(
     return total, metrics
 
 
-def loss_fields(hacpo: HacpoLossConfig, use_kl_loss: bool) -> list[str]:
-    """The per-row tensors of the micro-batch the HACPO loss reads (besides the model's inputs)."""
-    fields = ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN]
-    if hacpo.cross_ratio_length == "source":
-        fields.append(K.SOURCE_RESPONSE_LENGTH)
-    if use_kl_loss:
-        fields.append("ref_log_prob")
-    return fields
-
-
 def _aggregation_of(key: str):
     """`*_min` / `*_max` metrics are a min / max over micro-batches and ranks (verl's `Metric`
     does both); everything else is a mean."""
@@ -175,3 +165,14 @@ def _aggregation_of(key: str):
 def _clip(actor_config, side: str) -> float:
     value = getattr(actor_config, f"clip_ratio_{side}")
     return float(actor_config.clip_ratio if value is None else value)
+
+
+def loss_fields(hacpo, use_kl_loss: bool) -> list[str]:
+    """The per-row tensors of the micro-batch the HACPO loss reads (besides the model's inputs);
+    `hacpo` is the loss's `algorithm.hacpo` settings, of which only `cross_ratio_length` matters here."""
+    fields = ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN]
+    if hacpo.cross_ratio_length == "source":
+        fields.append(K.SOURCE_RESPONSE_LENGTH)
+    if use_kl_loss:
+        fields.append("ref_log_prob")
+    return fields
