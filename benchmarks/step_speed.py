@@ -2,7 +2,7 @@
 
     python benchmarks/step_speed.py --baseline 8a0c8d0 --steps 14 --rounds 2 --work /tmp/step_speed
 
-Runs the miniature benchmark's HACPO configuration (`mini.runs.run_overrides`: pair `model`,
+Runs the miniature benchmark's HACPO configuration (`mini.runs.run_overrides`: agents A + B,
 16 prompts/step, G = 8, lr 1e-4, seed 0) for `--steps` steps, alternating baseline and
 current (baseline, current, baseline, current, ...), one process and Ray session per run.
 The baseline is the package exported from `--baseline` with `git archive` into

@@ -17,6 +17,7 @@ import numpy as np
 import ray
 import torch
 from omegaconf import DictConfig
+from tensordict import TensorDict
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.config import AgentSpec, HacpoSettings
@@ -141,14 +142,14 @@ class AgentRuntime:
 
     def old_log_prob(self, batch: DataProto) -> torch.Tensor:
         """log π^(k)_old of every response token of `batch` (this agent's tokens), [B, T]."""
-        td = left_right_2_no_padding(batch.to_tensordict())
+        td = worker_tensordict(batch)
         tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
         output = self.wg.compute_log_prob(td)
         return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
 
     def ref_log_prob(self, batch: DataProto) -> torch.Tensor:
         """log π^(k)_ref of every response token, [B, T] (for actor.use_kl_loss)."""
-        td = left_right_2_no_padding(batch.to_tensordict())
+        td = worker_tensordict(batch)
         tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
         output = self.wg.compute_ref_log_prob(td)
         return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
@@ -182,7 +183,7 @@ class AgentRuntime:
                 seed=seed,
             )
             batch = batch.select_idxs(torch.as_tensor(order))
-        td = left_right_2_no_padding(batch.to_tensordict())
+        td = worker_tensordict(batch)
         tu.assign_non_tensor(
             td,
             calculate_entropy=bool(actor.entropy_coeff != 0.0 or actor.get("calculate_entropy", False)),
@@ -231,6 +232,24 @@ class AgentRuntime:
     def load(self, path: str, step: int) -> None:
         self.wg.load_checkpoint(os.path.join(path, "actor"), None, False)
         self.weights_version = step
+
+
+# per-row object fields verl's engine reads (vision inputs, `extract_multi_modal_inputs`); every
+# other non-tensor field (prompt and response texts, ground truth, data source, uid) is read
+# only on the driver
+WORKER_NON_TENSOR_FIELDS = ("multi_modal_inputs",)
+
+
+def worker_tensordict(batch: DataProto) -> TensorDict:
+    """`batch` as a worker call ships it: its tensors, its meta_info scalars, and of its per-row
+    object fields only `WORKER_NON_TENSOR_FIELDS`, in verl's no-padding layout.
+
+    Each object field is pickled one Python object per row with every call, and neither verl's
+    engine nor the HACPO loss reads the texts; the driver's `batch` keeps them for the trainer.
+    """
+    kept = {k: v for k, v in batch.non_tensor_batch.items() if k in WORKER_NON_TENSOR_FIELDS}
+    shipped = DataProto(batch=batch.batch, non_tensor_batch=kept, meta_info=batch.meta_info)
+    return left_right_2_no_padding(shipped.to_tensordict())
 
 
 def _record_metrics(record: list[list[dict]]) -> dict[str, float]:

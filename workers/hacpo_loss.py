@@ -68,12 +68,7 @@ def hacpo_actor_loss(
         )
     update_index = int(update_index)
 
-    fields = ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN]
-    if hacpo.cross_ratio_length == "source":
-        fields.append(K.SOURCE_RESPONSE_LENGTH)
-    if actor_config.use_kl_loss:
-        fields.append("ref_log_prob")
-    padded = data.select(*fields).to_padded_tensor()
+    padded = data.select(*loss_fields(hacpo, actor_config.use_kl_loss)).to_padded_tensor()
     response_mask = padded["response_mask"].to(bool)
 
     loss_mat, pg_metrics = hacpo_policy_loss_matrix(
@@ -148,3 +143,14 @@ def aggregation_of(key: str):
 def _clip(actor_config, side: str) -> float:
     value = getattr(actor_config, f"clip_ratio_{side}")
     return float(actor_config.clip_ratio if value is None else value)
+
+
+def loss_fields(hacpo, use_kl_loss: bool) -> list[str]:
+    """The per-row tensors of the micro-batch the HACPO loss reads (besides the model's inputs);
+    `hacpo` is the loss's `algorithm.hacpo` settings, of which only `cross_ratio_length` matters here."""
+    fields = ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN]
+    if hacpo.cross_ratio_length == "source":
+        fields.append(K.SOURCE_RESPONSE_LENGTH)
+    if use_kl_loss:
+        fields.append("ref_log_prob")
+    return fields
