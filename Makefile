@@ -3,8 +3,8 @@
 #
 #   make demo         the CPU demo (two tiny agents learn 3-digit addition together)
 #   make test         every test, as CI runs them (.ci/run calls this target)
-#   make test-quick   the tests that start no Ray cluster (409 tests; 10 min measured on a
-#                     shared, heavily loaded 2-core machine, less when idle)
+#   make test-quick   the tests that start no Ray cluster (663 tests; about 6 min on a
+#                     2-core machine)
 #   make venv         only create / refresh the environment
 #
 # Needs nothing but Python 3.10+ (PYTHON=python3.11 make test to pick one).
