@@ -139,9 +139,9 @@ def diagnostics(steps: dict[int, dict], names: list[str]) -> dict[str, dict[str,
     return out
 
 
-def run_name(pair: str, arm_key: str, seed: int, setup: Setup) -> str:
+def run_name(pair: str, arm_key: str, seed: int, mini_batches: int) -> str:
     """The run's folder under <work>/runs; runs with several updates per step live apart."""
-    return f"{pair}_{arm_key}_s{seed}" + (f"_mb{setup.mini_batches}" if setup.mini_batches != 1 else "")
+    return f"{pair}_{arm_key}_s{seed}" + (f"_mb{mini_batches}" if mini_batches != 1 else "")
 
 
 def _stale(summary: dict, arm: Arm, setup: Setup, agents: list[str] | None = None) -> str:
@@ -165,8 +165,7 @@ def restore_cache(work: str, runs_json: str) -> int:
         summaries = json.load(f)
     restored = 0
     for summary in summaries:
-        name = f"{summary['pair']}_{summary['arm']}_s{summary['seed']}"
-        name += f"_mb{summary['mini_batches']}" if summary.get("mini_batches", 1) != 1 else ""
+        name = run_name(summary["pair"], summary["arm"], summary["seed"], summary.get("mini_batches", 1))
         path = os.path.join(work, "runs", name, "summary.json")
         if not os.path.exists(path):
             os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -179,7 +178,7 @@ def restore_cache(work: str, runs_json: str) -> int:
 def cached_run(work: str, pair: str, arm_key: str, seed: int, setup: Setup,
                agents: list[str] | None = None) -> dict | None:
     """The summary of a finished run made with these settings, or None (none, or made with others)."""
-    summary_file = os.path.join(work, "runs", run_name(pair, arm_key, seed, setup), "summary.json")
+    summary_file = os.path.join(work, "runs", run_name(pair, arm_key, seed, setup.mini_batches), "summary.json")
     if not os.path.isfile(summary_file):
         return None
     with open(summary_file) as f:
@@ -207,7 +206,7 @@ def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str
     if summary is not None:
         log(f"{pair}/{arm_key}/seed {seed}: cached")
         return summary
-    run_dir = os.path.join(work, "runs", run_name(pair, arm_key, seed, setup))
+    run_dir = os.path.join(work, "runs", run_name(pair, arm_key, seed, setup.mini_batches))
     summary_file = os.path.join(run_dir, "summary.json")
     os.makedirs(run_dir, exist_ok=True)
     metrics_file = os.path.join(run_dir, "metrics.jsonl")
