@@ -187,16 +187,7 @@ def cached_run(work: str, pair: str, arm_key: str, seed: int, setup: Setup,
     if stale:
         log(f"{pair}/{arm_key}/seed {seed}: cached run made with other settings ({stale}); not reused")
         return None
-    metrics_file = os.path.join(os.path.dirname(summary_file), "metrics.jsonl")
-    if "diagnostics" not in summary and os.path.isfile(metrics_file):  # summaries written before they were kept
-        summary["diagnostics"] = diagnostics(_step_records(metrics_file), summary["names"])
     return summary
-
-
-def _step_records(metrics_file: str) -> dict[int, dict]:
-    with open(metrics_file) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return {r["step"]: r["data"] for r in records if "training/global_step" in r["data"]}
 
 
 def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str, pair: str, first: bool,
