@@ -39,6 +39,9 @@ class AgentRuntime:
     spec: AgentSpec
     config: DictConfig  # the full verl config of this agent (recipe_hacpo.config.agent_verl_config)
     device_name: str
+    # [first, end) of the worker group's rendezvous port (placement.master_port_ranges);
+    # None: any free port, verl's default
+    master_port_range: list[int] | None = None
 
     # ------------------------------------------------------------------ set-up
     def build(self, hacpo: HacpoSettings, shared_pool: RayResourcePool | None) -> None:
@@ -66,6 +69,7 @@ class AgentRuntime:
             ray_cls_with_init=worker_cls,
             name_prefix=f"hacpo_{self.spec.name}",
             device_name=self.device_name,
+            master_port_range=self.master_port_range,  # touchpoint 16
         )
         self.wg.init_model()
         self._build_rollout()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from recipe_hacpo.hacpo_settings import ConfigError, HacpoSettings
+from recipe_hacpo.placement import master_port_ranges
 
 __all__ = ["AgentSpec", "ConfigError", "HacpoSettings", "agent_specs", "agent_verl_config", "hacpo_settings", "validate"]
 
@@ -99,6 +100,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
             "add an agent or use mode=isolated"
         )
 
+    master_port_ranges(cfg.trainer.master_port_range, [s.name for s in specs])  # one line if unusable
     _validate_batches(cfg, specs)
     if hacpo.shares:
         _validate_mixed_mini_batches(cfg, specs)

@@ -5,6 +5,9 @@ agents with 0 share one pool of `trainer.n_gpus_per_node × trainer.nnodes` GPUs
 turns on it. A pool is one Ray placement group per node, one bundle per GPU, each bundle
 {GPU: 1, CPU: colocate} where `colocate` is how many processes may share that GPU.
 
+Each agent's worker group takes its torch.distributed rendezvous port (verl's `MASTER_PORT`)
+from its own slice of `trainer.master_port_range` (`master_port_ranges`).
+
 `check_cluster` compares what every pool asks for with `ray.cluster_resources()` once, before
 any pool is built, and fails with one line naming the agent and the shortfall. `make_pool`
 builds a pool whose placement groups give up after `trainer.placement_timeout_s` instead of
@@ -13,7 +16,10 @@ waiting forever (verl's `RayResourcePool` blocks on `pg.ready()` without a timeo
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
+
+from recipe_hacpo.hacpo_settings import ConfigError
 
 # CPUs reserved per GPU bundle = processes that may share the GPU:
 # - own pool on GPU: verl's default for FSDP (actor/ref worker, rollout, reward model);
@@ -25,10 +31,44 @@ SHARED_POOL_SPARE = 1
 CPU_COLOCATE = 1
 # seconds a placement group may take to be placed (trainer.placement_timeout_s)
 DEFAULT_PLACEMENT_TIMEOUT_S = 600.0
+# the narrowest slice an agent may get: verl skips the ports in use and fails past the slice
+MIN_PORTS_PER_AGENT = 16
 
 
 class PlacementError(RuntimeError):
     """The cluster cannot host a pool; the message is one line naming the agent."""
+
+
+def master_port_ranges(port_range, names: list[str], rng: random.Random | None = None) -> dict[str, list[int]]:
+    """Each agent's [first, end) of rendezvous ports: disjoint equal slices of `port_range`
+    (`trainer.master_port_range`).
+
+    Without a range verl picks any free port when a worker group is made and binds it only
+    when its workers initialise; with agents starting at once, another agent's gloo, ZMQ or
+    Ray sockets, which bind random ports of Linux's ephemeral range (32768-60999), can take it
+    in between and the start fails with EADDRINUSE. The default range lies above Ray's worker
+    ports (10002-19999) and below the ephemeral range, and each agent scans only its own
+    slice. verl takes the first free port from `first`, drawn in the lower half of the slice,
+    so two runs started together on one node seldom race for one port either.
+    """
+    key = "trainer.master_port_range"
+    try:
+        lo, hi = (int(p) for p in port_range)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}={port_range!r}: must be two port numbers [first, end)") from None
+    if not 1024 <= lo < hi <= 65536:
+        raise ConfigError(f"{key}=[{lo}, {hi}]: must satisfy 1024 <= first < end <= 65536")
+    width = (hi - lo) // max(1, len(names))
+    if width < MIN_PORTS_PER_AGENT:
+        raise ConfigError(
+            f"{key}=[{lo}, {hi}]: {hi - lo} ports for {len(names)} agents; each agent needs at least "
+            f"{MIN_PORTS_PER_AGENT}, widen the range"
+        )
+    rng = rng or random.SystemRandom()
+    return {
+        name: [lo + i * width + rng.randrange(width // 2), lo + (i + 1) * width]
+        for i, name in enumerate(names)
+    }
 
 
 @dataclass(frozen=True)

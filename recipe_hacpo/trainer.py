@@ -42,7 +42,7 @@ from recipe_hacpo.core_algos import (
     compute_hacpo_advantage,
 )
 from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
-from recipe_hacpo.placement import check_ray_cluster, make_pool, request_for
+from recipe_hacpo.placement import check_ray_cluster, make_pool, master_port_ranges, request_for
 from recipe_hacpo.reliability import (
     LATEST_FILE,
     STATE_FILE,
@@ -70,8 +70,11 @@ class HacpoTrainer:
         self.hacpo = hacpo
         self.effective = hacpo.effective()
         self.device_name = str(config.trainer.device)
+        ports = master_port_ranges(config.trainer.master_port_range, [s.name for s in specs])
         self.agents: dict[str, AgentRuntime] = {
-            s.name: AgentRuntime(spec=s, config=agent_verl_config(config, s), device_name=self.device_name)
+            s.name: AgentRuntime(
+                spec=s, config=agent_verl_config(config, s), device_name=self.device_name, master_port_range=ports[s.name]
+            )
             for s in specs
         }
         self.tracker = CapabilityTracker(

@@ -67,6 +67,8 @@ def test_naive_settings_imply_plain_baseline():
         (["algorithm.hacpo.cross_clip=gspo"], r"algorithm\.hacpo\.cross_clip='gspo'.*mode=naive"),
         (["agents.0.rollout_n=0"], r"agents\[0\]\.rollout_n=0: must be >= 1"),
         (["trainer.reward_timeout_s=0"], r"trainer\.reward_timeout_s=0\.0: must be > 0"),
+        (["trainer.master_port_range=[30000,30020]"], r"trainer\.master_port_range=\[30000, 30020\]: 20 ports for 2 agents"),
+        (["trainer.master_port_range=[80,2000]"], r"trainer\.master_port_range=\[80, 2000\]: must satisfy 1024 <= first"),
         (["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=5"],
          r"actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=5 does not divide the 32 rows of one mini-batch per GPU"),
         (["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"],

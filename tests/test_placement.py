@@ -105,3 +105,33 @@ def test_placement_gives_up_after_the_timeout(monkeypatch):
     assert waited == [7.0] and removed == created and len(created) == 2
     assert all(len(pg.bundles) == 4 and pg.bundles[0]["CPU"] == placement.OWN_POOL_COLOCATE for pg in created)
     assert created[0].name.startswith("hacpo_qwen3_4b_base")
+
+
+def test_master_port_ranges_are_disjoint_slices_below_the_ephemeral_range():
+    import random
+
+    cfg = _compose("pair_qwen3-4b-base_qwen3-8b-base")
+    names = ["a", "b", "c"]
+    for seed in range(50):
+        ranges = placement.master_port_ranges(cfg.trainer.master_port_range, names, random.Random(seed))
+        assert list(ranges) == names
+        (a0, a1), (b0, b1), (c0, c1) = ranges.values()
+        # slices of 4000 ports: [20000, 24000), [24000, 28000), [28000, 32000)
+        assert (a1, b1, c1) == (24000, 28000, 32000)
+        assert 20000 <= a0 < 22000 and 24000 <= b0 < 26000 and 28000 <= c0 < 30000
+        assert c1 <= 32768  # Linux's ephemeral ports, where random binds land, start here
+    firsts = {placement.master_port_ranges([20000, 32000], ["a"], random.Random(s))["a"][0] for s in range(20)}
+    assert len(firsts) > 1  # two runs on one node start their scans at different ports
+
+
+def test_master_port_ranges_reject_unusable_ranges():
+    assert placement.master_port_ranges([20000, 20032], ["a", "b"]) is not None  # 16 each: the minimum
+    for bad, message in [
+        ([20000, 20031], r"31 ports for 2 agents; each agent needs at least 16"),
+        ([20000], r"must be two port numbers"),
+        ("20000", r"must be two port numbers"),
+        ([30000, 20000], r"must satisfy 1024 <= first < end <= 65536"),
+    ]:
+        with pytest.raises(placement.ConfigError, match=message) as err:
+            placement.master_port_ranges(bad, ["a", "b"])
+        assert str(err.value).startswith("trainer.master_port_range=")

@@ -264,3 +264,22 @@ def test_15_step_metrics_reduce_what_train_mini_batch_returns():
     reduced = reduce_metrics({"hacpo/cross_ratio_max": _filled(AggregationType.MIN, [3.0, 1.0, 2.0])})
     _contract("15 (reduce_metrics of a Metric)", float(reduced["hacpo/cross_ratio_max"]) == 1.0,
               "reduce_metrics no longer reduces a Metric by its own aggregation")
+
+
+def test_16_worker_group_master_port_range():
+    import socket
+
+    from verl.single_controller.ray.base import RayWorkerGroup, get_master_addr_port
+
+    init = _source(RayWorkerGroup.__init__)
+    _contract("16 (RayWorkerGroup master_port_range)", 'kwargs.pop("master_port_range"' in init,
+              "RayWorkerGroup no longer takes master_port_range")
+    pick = _source(RayWorkerGroup._get_master_addr_port)
+    _contract("16 (get_master_addr_port)", "master_port_range=master_port_range" in pick,
+              "the worker group no longer passes its range to get_master_addr_port")
+    # verl's port pick itself: the first port of the range not in use, never one outside it
+    with socket.socket() as held:
+        held.bind(("", 0))
+        port = held.getsockname()[1]
+        _, got = get_master_addr_port._function(master_port_range=[port, port + 50])
+    _contract("16 (get_master_addr_port)", port < int(got) < port + 50, f"picked {got} for range [{port}, {port + 50})")

@@ -76,6 +76,7 @@ concern (each with a contract test in tests/test_verl_touchpoints.py):
 | 13 | `workers/hf_rollout.py::HFReplica.launch_servers` | `verl/workers/rollout/replica.py::RolloutReplica.server_handle` / `server_address` return the private `_server_handle` / `_server_address`, which a replica subclass must set (verl's own replicas do the same) |
 | 14 | `recipe_hacpo/exchange.py` | the batch layout `verl/experimental/agent_loop/agent_loop.py::AgentLoopWorker._postprocess` produces (documented there) |
 | 15 | `recipe_hacpo/agent_runtime.py::_step_metrics` | `verl/workers/engine_workers.py::TrainingWorker.train_mini_batch` returns `metrics` as {key: [one value per mini-batch]}, a list of per-rank `Metric`s reduced per mini-batch by `Metric.aggregate_dp` (min / max over every rank's micro-batch values; mean / sum: the rank mean per micro-batch, then the aggregation over micro-batches); `verl/utils/metric/utils.py::reduce_metrics` reduces a `Metric` by its own aggregation, whatever its key says |
+| 16 | `recipe_hacpo/agent_runtime.py::AgentRuntime.build` | `verl/single_controller/ray/base.py::RayWorkerGroup` takes a `master_port_range` keyword and hands it to `get_master_addr_port`, which binds the first free port of [first, end) and fails past it; the agents' slices come from `recipe_hacpo/placement.py::master_port_ranges` |
 
 Public registrations done from here as well, to keep all of verl's registries in one file:
 `verl/workers/rollout/replica.py::RolloutReplicaRegistry.register` (public classmethod) and
