@@ -134,6 +134,17 @@ def _record(args: WarmStartArgs) -> dict:
     return {"version": _VERSION, **asdict(args)}
 
 
+def _identity(record: dict, parent: dict | None = None) -> dict:
+    """What makes two warm starts the same agent: their arguments, with `init` standing for the
+    parent agent's own identity rather than the folder it lies in (so a shipped or moved chain of
+    agents is reused wherever it is copied to)."""
+    defaults = asdict(WarmStartArgs(kind=record.get("kind", "")))
+    out = {k: record.get(k, defaults.get(k)) for k in ("version", *defaults) if k != "init"}
+    parent = parent if parent is not None else record.get("init_record")
+    out["init"] = _identity(parent) if record.get("init") and parent else None
+    return out
+
+
 def load_record(out: str) -> dict | None:
     try:
         with open(os.path.join(out, RECORD_FILE)) as f:
@@ -146,8 +157,7 @@ def warm_start(args: WarmStartArgs, out: str, *, log_every: int = 100, verbose: 
     """Train `args.kind` from its seeded random init; write the agent to `out`; return its record."""
     record = _record(args)
     existing = load_record(out)
-    defaults = asdict(WarmStartArgs(kind=args.kind))
-    if existing and {k: existing.get(k, defaults.get(k)) for k in record} == record:
+    if existing and _identity(existing) == _identity(record, load_record(args.init) if args.init else None):
         return existing
 
     random.seed(args.seed)

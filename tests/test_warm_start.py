@@ -101,6 +101,25 @@ def test_cached_directory_is_reused(tmp_path):
     assert os.path.getmtime(os.path.join(out, "model.safetensors")) == stamp
 
 
+def test_a_chain_copied_elsewhere_is_reused_and_its_parent_identifies_it(tmp_path):
+    import dataclasses
+    import shutil
+
+    first = str(tmp_path / "here" / "parent")
+    ws.warm_start(_tiny("qwen2-char-small"), first, verbose=False)
+    ws.warm_start(dataclasses.replace(_tiny("qwen2-char-small"), init=first), str(tmp_path / "here" / "child"), verbose=False)
+    shutil.copytree(tmp_path / "here", tmp_path / "there")  # e.g. agents shipped with the repository
+    parent, child = str(tmp_path / "there" / "parent"), str(tmp_path / "there" / "child")
+    stamp = os.path.getmtime(os.path.join(child, "model.safetensors"))
+    ws.warm_start(dataclasses.replace(_tiny("qwen2-char-small"), init=parent), child, verbose=False)
+    assert os.path.getmtime(os.path.join(child, "model.safetensors")) == stamp  # same chain, other folder
+    # a child of another parent is another agent: trained again
+    other = str(tmp_path / "there" / "other_parent")
+    ws.warm_start(_tiny("qwen2-char-small", seed=1), other, verbose=False)
+    ws.warm_start(dataclasses.replace(_tiny("qwen2-char-small"), init=other), child, verbose=False)
+    assert os.path.getmtime(os.path.join(child, "model.safetensors")) != stamp
+
+
 def test_cli_prints_held_out_accuracy(tmp_path):
     out = str(tmp_path / "cli")
     proc = subprocess.run(
