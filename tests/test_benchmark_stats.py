@@ -31,8 +31,10 @@ def test_paired_difference_uses_common_seeds_only():
 def test_regime_needs_three_standard_deviations():
     # gains 4, 5, 6 points: mean 5, std 1 -> 5 sigma
     assert regime_holds(paired({0: 0.54, 1: 0.55, 2: 0.56}, {0: 0.5, 1: 0.5, 2: 0.5}))
-    # gains 1, 5, 9 points: mean 5, std 4 -> 1.25 sigma
-    assert not regime_holds(paired({0: 0.51, 1: 0.55, 2: 0.59}, {0: 0.5, 1: 0.5, 2: 0.5}))
+    # gains 1, 5, 9 points: mean 5, std 4 -> 1.25 sigma (though 1.25 × √3 = 2.2 standard errors)
+    wide = paired({0: 0.51, 1: 0.55, 2: 0.59}, {0: 0.5, 1: 0.5, 2: 0.5})
+    assert not regime_holds(wide)
+    assert wide.standard_errors() == pytest.approx(1.25 * 3 ** 0.5)
     # a single seed has no spread to compare against
     assert not regime_holds(paired({0: 0.9}, {0: 0.5}))
     # a consistent loss is not a regime where doubling helps
@@ -98,8 +100,8 @@ def test_report_has_regime_recovered_fraction_and_diagnostics(tmp_path):
                         [], 0.0, "model", reading="Sharing helped here.")
     text = path.read_text()
     # regime: qwen gains 4, 6, 8 (3 sigma), llama gains 1, 2, 3 (2 sigma)
-    assert f"| {q} | 50.0 ± 0.0 | 56.0 ± 2.0 | +6.0 ± 2.0 (n=3) | s0 +4.0, s1 +6.0, s2 +8.0 | 3.0 | yes |" in text
-    assert f"| {l} | 20.0 ± 0.0 | 22.0 ± 1.0 | +2.0 ± 1.0 (n=3) | s0 +1.0, s1 +2.0, s2 +3.0 | 2.0 | no |" in text
+    assert f"| {q} | 50.0 ± 0.0 | 56.0 ± 2.0 | +6.0 ± 2.0 (n=3) | s0 +4.0, s1 +6.0, s2 +8.0 | 3.0 | yes | 5.2 |" in text
+    assert f"| {l} | 20.0 ± 0.0 | 22.0 ± 1.0 | +2.0 ± 1.0 (n=3) | s0 +1.0, s1 +2.0, s2 +3.0 | 2.0 | no | 3.5 |" in text
     assert "does **not** clear the bar" in text
     hacpo_row = next(line for line in text.splitlines() if line.startswith("| HACPO (G each) | 0,1,2 |"))
     assert "+3.0 ± 0.0 (n=3)" in hacpo_row and "0.50 [" in hacpo_row
@@ -120,3 +122,41 @@ def test_every_arm_updates_on_the_same_number_of_rows():
     one = Setup(40, 32, 2, 1e-4, 1.0, 20, 64, 512, 1)
     # one sharing update a step would need GSPO to update on two steps' prompts: capped at one update a step
     assert mini_batch_prompts(ALL_ARMS["gspo"], one, 2) == 32
+
+
+def test_regime_search_groups_runs_by_setting_and_collects_work_folders(tmp_path):
+    import json
+
+    import regime_search
+
+    def run(arm, seed, group, lr, acc):
+        out = _run(arm, seed, acc)
+        out.update(group=group, lr=lr, agents=["a_dir", "b_dir"], prompts=32, temperature=1.0, mini_batches=4,
+                   timing={"gen": [0.1]}, diagnostics={})
+        return out
+
+    runs = []
+    for seed, (x, y) in enumerate([(0.04, 0.05), (0.05, 0.06), (0.06, 0.07)]):
+        # lr 1e-4: a gains 4, 5, 6 points (5 std), b gains 5, 6, 7 (6 std); lr 3e-5: b gains 1, 5, 9 (1.25 std)
+        runs += [run("gspo", seed, 2, 1e-4, {"a": 0.5, "b": 0.2}), run("gspo2x", seed, 4, 1e-4, {"a": 0.5 + x, "b": 0.2 + y})]
+        runs += [run("gspo", seed, 2, 3e-5, {"a": 0.5, "b": 0.2}),
+                 run("gspo2x", seed, 4, 3e-5, {"a": 0.5 + x, "b": 0.2 + 0.01 + 0.04 * seed})]
+    runs.append(run("hacpo", 0, 2, 1e-4, {"a": 0.9, "b": 0.9}))  # not a regime arm
+    text = regime_search.report([r for r in runs if r["arm"] in regime_search.REGIME_ARMS])
+    rows = [line for line in text.splitlines() if line.startswith("| a_dir + b_dir: G = 2")]
+    assert rows == [
+        "| a_dir + b_dir: G = 2 against 2G = 4, lr 3e-05, 4 steps, 32 prompts a step, temperature 1, `--mini-batches 4` | 3 | no |",
+        "| a_dir + b_dir: G = 2 against 2G = 4, lr 0.0001, 4 steps, 32 prompts a step, temperature 1, `--mini-batches 4` | 3 | yes |",
+    ]
+    assert "| b | 20.0 ± 0.0 | 26.0 ± 1.0 | +6.0 ± 1.0 (n=3) | s0 +5.0, s1 +6.0, s2 +7.0 | 6.0 | yes | 10.4 |" in text
+
+    # collect: a work folder's GSPO / GSPO×2 summaries join the file once, without timings
+    for r in runs:
+        d = tmp_path / "work" / "runs" / f"{r['arm']}_{r['seed']}_{r['lr']}"
+        d.mkdir(parents=True)
+        (d / "summary.json").write_text(json.dumps(r))
+    into = tmp_path / "regime_runs.json"
+    assert regime_search.collect([str(tmp_path / "work")], str(into)) == 12
+    assert regime_search.collect([str(tmp_path / "work")], str(into)) == 0
+    kept = json.loads(into.read_text())
+    assert len(kept) == 12 and all("timing" not in r and r["arm"] != "hacpo" for r in kept)

@@ -38,7 +38,8 @@ AGENTS = {
     "M": Agent("qwen_char_medium", "qwen2-char-medium", 650, 0, "qwen2-char-medium_add3_650_s0"),
     # A, B0 -> B: the pair the step-speed benchmark times (benchmarks/step_speed.py; trained there,
     # tiny versions with --agents smoke). A: qwen2-char-small 1000 SFT steps; B: llama-pair-medium
-    # 1000 + 2000 SFT steps.
+    # 1000 + 2000 SFT steps (39 %; B0 and B are shipped too: B is the one agent here whose RL gain
+    # grows steadily with rollouts, see benchmarks/results/regime_search.md).
     "A": Agent("qwen_small", "qwen2-char-small", 1000, 0, "A_qwen_char_small_1000"),
     "B0": Agent("llama_pair_early", "llama-pair-medium", 1000, 0, "B_llama_pair_medium_1000"),
     "B": Agent("llama_pair", "llama-pair-medium", 2000, 0, "B_llama_pair_medium_3000", init="B0"),
@@ -52,12 +53,17 @@ PAIRS = {
     "model_gap": ("Q", "L"),
     "state": ("Q", "Q1"),  # same architecture and tokenizer, different warm starts
     "size": ("Q", "M"),  # same family and tokenizer, different sizes
+    # settings probed for a regime where doubling the rollouts matters (benchmarks/regime_search.py)
+    "model_b": ("M", "B"),
+    "model_q1b": ("Q1", "B"),
 }
 PAIR_KINDS = {
     "model": "model heterogeneity: different architecture and tokenizer, both agents at 10–30 %",
     "model_gap": "model heterogeneity with a wide capability gap: different architecture, tokenizer and size",
     "state": "state heterogeneity: same architecture and tokenizer, different warm starts",
     "size": "size heterogeneity: same family and tokenizer, different sizes",
+    "model_b": "model heterogeneity (regime probe): a character Qwen2 at 26 % and a digit-pair Llama at 39 %",
+    "model_q1b": "model heterogeneity (regime probe): a character Qwen2 at 81 % and a digit-pair Llama at 39 %",
 }
 
 

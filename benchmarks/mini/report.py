@@ -93,7 +93,7 @@ def regime_lines(summaries: list[dict], names: list[str], sigmas: float = 3.0) -
     if not by.get("gspo") or not by.get("gspo2x"):
         return []
     lines = ["| agent | GSPO acc % | GSPO×2 acc % | GSPO×2 − GSPO (points, paired) | per seed | mean / std | "
-             f"≥ {sigmas:g} std? |", "|---|---|---|---|---|---|---|"]
+             f"≥ {sigmas:g} std? | mean / s.e. |", "|---|---|---|---|---|---|---|---|"]
     verdicts = []
     for n in names:
         g, g2 = accs_by_seed(by["gspo"], n, None), accs_by_seed(by["gspo2x"], n, None)
@@ -102,7 +102,8 @@ def regime_lines(summaries: list[dict], names: list[str], sigmas: float = 3.0) -
         verdicts.append(holds)
         per_seed = ", ".join(f"s{s} {x * 100:+.1f}" for s, x in zip(d.seeds, d.diffs))
         lines.append(f"| {n} | {fmt_pm([g[s] for s in d.seeds])} | {fmt_pm([g2[s] for s in d.seeds])} | "
-                     f"{fmt_paired(d)} | {per_seed} | {d.sigmas():.1f} | {'yes' if holds else 'no'} |")
+                     f"{fmt_paired(d)} | {per_seed} | {d.sigmas():.1f} | {'yes' if holds else 'no'} | "
+                     f"{d.standard_errors():.1f} |")
     lines += ["", "Doubling the rollouts matters for every agent in this regime." if all(verdicts) else
               "Doubling the rollouts does **not** clear the bar for every agent in this regime: the recovered "
               "fractions below divide by a gain that is not clearly above noise.", ""]

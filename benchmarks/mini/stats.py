@@ -38,6 +38,11 @@ class Paired:
     def std(self) -> float:
         return statistics.stdev(self.diffs) if len(self.diffs) > 1 else float("nan")
 
+    def standard_errors(self) -> float:
+        """mean / (std / √n): how many standard errors of the mean difference it lies above 0."""
+        s = self.sigmas()
+        return s * len(self.diffs) ** 0.5 if s == s else s
+
     def sigmas(self) -> float:
         """mean / std of the paired difference (inf when every seed moved by the same amount)."""
         if len(self.diffs) < 2:
