@@ -3,7 +3,7 @@
     python benchmarks/regime_search.py                                  # report the committed runs
     python benchmarks/regime_search.py --collect /tmp/hacpo_bench ...   # add the runs of work folders
 
-The regime test of the main table (`mini.report.regime_lines`) asks, per agent, whether GSPO×2
+The regime test of the main table (`mini.report.regime_table`) asks, per agent, whether GSPO×2
 beats GSPO by at least 3 standard deviations of the paired-by-seed difference. This script
 applies it to every setting that has both arms (pair, G, learning rate, steps, prompts, updates
 per step), from `benchmarks/results/runs.json` (the main benchmark's runs) and
@@ -22,7 +22,8 @@ from collections import defaultdict
 
 from mini.agents import AGENTS
 from mini.common import REPO
-from mini.report import regime_lines
+from mini.arms import ALL_ARMS
+from mini.report import regime_table
 
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 REGIME_ARMS = ("gspo", "gspo2x")
@@ -67,7 +68,7 @@ def settings(runs: list[dict]) -> dict[tuple, list[dict]]:
     """Runs grouped by setting; G is the GSPO run's group."""
     out: dict[tuple, list[dict]] = defaultdict(list)
     for r in runs:
-        base_group = r["group"] // (2 if r["arm"] == "gspo2x" else 1)
+        base_group = r["group"] // ALL_ARMS[r["arm"]].group_mult
         out[(tuple(r["agents"]), base_group, *(r.get(k) for k in SETTING_KEYS[1:]))].append(r)
     return {k: v for k, v in out.items() if {r["arm"] for r in v} == set(REGIME_ARMS)}
 
@@ -85,9 +86,7 @@ def report(runs: list[dict]) -> str:
     sections, verdicts = [], []
     for key in keys:
         group = found[key]
-        # regime_lines ends with the main table's verdict sentence; the summary table says it here
-        body = regime_lines(group, group[0]["names"])[:-3]
-        ok = all("| yes |" in line for line in body[2:])
+        body, ok = regime_table(group, group[0]["names"])
         verdicts.append(f"| {setting_title(key)} | {len({r['seed'] for r in group})} | {'yes' if ok else 'no'} |")
         sections += [f"### {setting_title(key)}", "", *body, ""]
     used = sorted({a for k in keys for a in k[0]}, key=lambda d: list(AGENT_NAMES).index(d) if d in AGENT_NAMES else 99)

@@ -87,11 +87,12 @@ def arm_rows(summaries: list[dict], arm_keys: list[str], names: list[str], at_st
     return rows
 
 
-def regime_lines(summaries: list[dict], names: list[str], sigmas: float = 3.0) -> list[str]:
-    """Does doubling the rollouts matter here? GSPO×2 − GSPO per agent, paired by seed."""
+def regime_table(summaries: list[dict], names: list[str], sigmas: float = 3.0) -> tuple[list[str], bool]:
+    """GSPO×2 − GSPO per agent, paired by seed, and whether it clears `sigmas` std on every agent
+    (no lines and False without both arms)."""
     by = by_arm_and_seed(summaries)
     if not by.get("gspo") or not by.get("gspo2x"):
-        return []
+        return [], False
     lines = ["| agent | GSPO acc % | GSPO×2 acc % | GSPO×2 − GSPO (points, paired) | per seed | mean / std | "
              f"≥ {sigmas:g} std? | mean / s.e. |", "|---|---|---|---|---|---|---|---|"]
     verdicts = []
@@ -104,10 +105,17 @@ def regime_lines(summaries: list[dict], names: list[str], sigmas: float = 3.0) -
         lines.append(f"| {n} | {fmt_pm([g[s] for s in d.seeds])} | {fmt_pm([g2[s] for s in d.seeds])} | "
                      f"{fmt_paired(d)} | {per_seed} | {d.sigmas():.1f} | {'yes' if holds else 'no'} | "
                      f"{d.standard_errors():.1f} |")
-    lines += ["", "Doubling the rollouts matters for every agent in this regime." if all(verdicts) else
-              "Doubling the rollouts does **not** clear the bar for every agent in this regime: the recovered "
-              "fractions below divide by a gain that is not clearly above noise.", ""]
-    return lines
+    return lines, all(verdicts)
+
+
+def regime_lines(summaries: list[dict], names: list[str], sigmas: float = 3.0) -> list[str]:
+    """Does doubling the rollouts matter here? The regime table and its verdict."""
+    table, holds = regime_table(summaries, names, sigmas)
+    if not table:
+        return []
+    return [*table, "", "Doubling the rollouts matters for every agent in this regime." if holds else
+            "Doubling the rollouts does **not** clear the bar for every agent in this regime: the recovered "
+            "fractions below divide by a gain that is not clearly above noise.", ""]
 
 
 # per-step sharing metrics summarised per arm and agent: (metric, column title)
