@@ -31,7 +31,7 @@ from mini.arms import ABLATIONS, ARMS
 from mini.common import REPO, log
 from mini.plot import write_plot
 from mini.report import write_cost_profile, write_report
-from mini.runs import Setup, cached_run, restore_cache, run_one
+from mini.runs import Setup, cached_run, held_out_file, restore_cache, run_one
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--prompts {a.prompts} must split into --mini-batches {a.mini_batches} equal parts")
     if a.reading and not os.path.isfile(a.reading):
         p.error(f"--reading {a.reading}: no such file")
-    setup = Setup(a.steps, a.prompts, a.group, a.lr, a.temperature, a.val_every, a.val_rows, a.micro, a.mini_batches)
+    setup = Setup(a.steps, a.prompts, a.group, a.lr, a.temperature, a.val_every, a.val_rows, a.micro, a.mini_batches,
+                  held_out_file(a.work, a.val_rows))
     restored = restore_cache(a.work, os.path.join(a.results, "runs.json"))
     if restored:
         log(f"{restored} run summaries restored from {a.results}/runs.json into {a.work}/runs")

@@ -28,17 +28,25 @@ from mini.report import regime_table
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 REGIME_ARMS = ("gspo", "gspo2x")
 # a setting: what both arms share (the GSPO×2 run's group is twice --group)
-SETTING_KEYS = ("agents", "steps", "prompts", "lr", "temperature", "mini_batches")
-AGENT_NAMES = {a.dirname: key for key, a in AGENTS.items()}
+SETTING_KEYS = ("agents", "steps", "prompts", "lr", "temperature", "mini_batches", "val_rows")
+DEFAULTS = {"val_rows": 1024}  # runs recorded before a key existed: scored on the shipped 1024 rows
+
+
+def _value(run: dict, key: str):
+    return run.get(key, DEFAULTS.get(key))
+AGENT_NAMES = {a.run_id: key for key, a in AGENTS.items()}
 
 
 def load(paths: list[str]) -> list[dict]:
-    runs = []
+    """The GSPO / GSPO×2 runs of `paths`, each once (a main-table run may also sit in regime_runs.json)."""
+    runs: dict[str, dict] = {}
     for path in paths:
         if os.path.exists(path):
             with open(path) as f:
-                runs += json.load(f)
-    return [r for r in runs if r.get("arm") in REGIME_ARMS]
+                for r in json.load(f):
+                    if r.get("arm") in REGIME_ARMS:
+                        runs.setdefault(_identity(r), r)
+    return list(runs.values())
 
 
 def collect(work_dirs: list[str], into: str) -> int:
@@ -61,7 +69,7 @@ def collect(work_dirs: list[str], into: str) -> int:
 
 
 def _identity(run: dict) -> str:
-    return json.dumps([run["arm"], run["seed"], run["group"], *(run.get(k) for k in SETTING_KEYS)])
+    return json.dumps([run["arm"], run["seed"], run["group"], *(_value(run, k) for k in SETTING_KEYS)])
 
 
 def settings(runs: list[dict]) -> dict[tuple, list[dict]]:
@@ -69,15 +77,16 @@ def settings(runs: list[dict]) -> dict[tuple, list[dict]]:
     out: dict[tuple, list[dict]] = defaultdict(list)
     for r in runs:
         base_group = r["group"] // ALL_ARMS[r["arm"]].group_mult
-        out[(tuple(r["agents"]), base_group, *(r.get(k) for k in SETTING_KEYS[1:]))].append(r)
+        out[(tuple(r["agents"]), base_group, *(_value(r, k) for k in SETTING_KEYS[1:]))].append(r)
     return {k: v for k, v in out.items() if {r["arm"] for r in v} == set(REGIME_ARMS)}
 
 
 def setting_title(key: tuple) -> str:
-    agents, group, steps, prompts, lr, temperature, mini_batches = key
+    agents, group, steps, prompts, lr, temperature, mini_batches, val_rows = key
     who = " + ".join(AGENT_NAMES.get(a, a) for a in agents)
+    held_out = "" if val_rows == DEFAULTS["val_rows"] else f", scored on {val_rows} held-out prompts"
     return (f"{who}: G = {group} against 2G = {2 * group}, lr {lr:g}, {steps} steps, {prompts} prompts a step, "
-            f"temperature {temperature:g}, `--mini-batches {mini_batches}`")
+            f"temperature {temperature:g}, `--mini-batches {mini_batches}`{held_out}")
 
 
 def report(runs: list[dict]) -> str:
@@ -94,7 +103,7 @@ def report(runs: list[dict]) -> str:
         "# Regime search: does GSPO×2 (2G) beat GSPO (G)?", "",
         "Made by `python benchmarks/regime_search.py` from `runs.json` (the main benchmark's runs) and "
         "`regime_runs.json` (the GSPO and GSPO×2 runs of the other settings tried). Accuracy is the held-out "
-        "accuracy after the last step (greedy, 1024 add3 prompts); differences are paired by seed. The regime "
+        "accuracy after the last step (greedy, on 1024 held-out add3 prompts unless the setting says more); differences are paired by seed. The regime "
         "test asks for a mean gain of at least 3 standard deviations of the per-seed differences on every "
         "agent; `mean / s.e.` is the same mean in standard errors (std / √seeds), which says how sure its sign "
         "is, not how reliably each seed gains. Every arm updates on the same number of rows, so GSPO×2 makes "

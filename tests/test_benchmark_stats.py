@@ -160,3 +160,42 @@ def test_regime_search_groups_runs_by_setting_and_collects_work_folders(tmp_path
     assert regime_search.collect([str(tmp_path / "work")], str(into)) == 0
     kept = json.loads(into.read_text())
     assert len(kept) == 12 and all("timing" not in r and r["arm"] != "hacpo" for r in kept)
+
+
+def test_an_agent_with_its_own_lr_is_trained_and_cached_apart():
+    import dataclasses
+
+    from mini.arms import ALL_ARMS
+    from mini.runs import _stale, run_overrides
+
+    setup = Setup(20, 64, 2, 1e-4, 1.0, 10, 1024, 512, 4)
+    own = dataclasses.replace(AGENTS["M12"], lr=3e-4)
+    agents = [{"agent": own, "path": "/a"}, {"agent": AGENTS["B"], "path": "/b"}]
+    spec = next(o for o in run_overrides(ALL_ARMS["gspo"], 0, agents, setup, "/tmp/r", True) if o.startswith("agents="))
+    # the agent's lr goes into its own actor_rollout_ref block; the other agent keeps the benchmark's
+    assert f"name:{own.name},model_path:'/a',rollout_n:2,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{actor:{{optim:{{lr:0.0003}}}}}}}}" in spec
+    assert f"name:{AGENTS['B'].name},model_path:'/b',rollout_n:2,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}" in spec
+    assert own.run_id == AGENTS["M12"].dirname + "@lr0.0003" and AGENTS["B"].run_id == AGENTS["B"].dirname
+    # a run made without the agent's own lr is not reused for one with it
+    made = {"steps": 20, "group": 2, "prompts": 64, "lr": 1e-4, "temperature": 1.0, "mini_batches": 4,
+            "mini_batch_rule": "equal_rows", "agents": [AGENTS["M12"].run_id, AGENTS["B"].run_id]}
+    assert _stale(made, ALL_ARMS["gspo"], setup, [own.run_id, AGENTS["B"].run_id]).startswith("agents ")
+    assert _stale(made, ALL_ARMS["gspo"], setup, [AGENTS["M12"].run_id, AGENTS["B"].run_id]) == ""
+    # nor one scored on fewer held-out prompts (runs recorded before the key: the shipped 1024)
+    assert _stale(made, ALL_ARMS["gspo"], dataclasses.replace(setup, val_rows=4096),
+                  [AGENTS["M12"].run_id, AGENTS["B"].run_id]) == "val_rows 1024 != 4096"
+
+
+def test_more_held_out_rows_extend_the_shipped_draw(tmp_path):
+    import pyarrow.parquet as pq
+
+    from mini.common import VAL_FILE
+    from mini.runs import held_out_file
+
+    assert held_out_file(str(tmp_path), 1024) == VAL_FILE and held_out_file(str(tmp_path), 16) == VAL_FILE
+    path = held_out_file(str(tmp_path), 1500)
+    rows = pq.read_table(path).to_pylist()
+    shipped = pq.read_table(VAL_FILE).to_pylist()
+    assert len(rows) == 1500 and rows[:1024] == shipped
+    assert len({r["prompt"][0]["content"] for r in rows}) == 1500
+    assert held_out_file(str(tmp_path), 1500) == path  # written once
