@@ -24,12 +24,13 @@ from mini.agents import AGENTS
 from mini.common import REPO
 from mini.arms import ALL_ARMS
 from mini.report import regime_table
+from mini.runs import SHIPPED_VAL_ROWS
 
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 REGIME_ARMS = ("gspo", "gspo2x")
 # a setting: what both arms share (the GSPO×2 run's group is twice --group)
 SETTING_KEYS = ("agents", "steps", "prompts", "lr", "temperature", "mini_batches", "val_rows")
-DEFAULTS = {"val_rows": 1024}  # runs recorded before a key existed: scored on the shipped 1024 rows
+DEFAULTS = {"val_rows": SHIPPED_VAL_ROWS}  # runs recorded before a key existed: scored on the shipped rows
 
 
 def _value(run: dict, key: str):

@@ -60,7 +60,8 @@ AGENTS = {
 
 # the paper's three kinds of heterogeneity, each with M12 (the agent whose gain grows with rollouts)
 PAIRS = {
-    # different architecture and tokenizer, GSPO×2 beating GSPO by ≥ 3 std on both: the main table
+    # different architecture and tokenizer, GSPO×2 beating GSPO on every seed for both (by 3 std for B
+    # only; benchmarks/results/miniature.md): the main table
     "model": ("M12", "B"),
     "state": ("M12", "M"),  # same model, tokenizer and supervised run, stopped at 555 and 650 steps
     "size": ("Q", "M12"),  # same family and tokenizer, different sizes
