@@ -43,6 +43,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr-schedule", choices=("constant", "cosine"), default="constant",
+                   help="the actors' learning rate over the steps: constant, or cosine decay from --lr to 0")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--val-every", type=int, default=20)
     p.add_argument("--val-rows", type=int, default=1024)
@@ -86,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.reading and not os.path.isfile(a.reading):
         p.error(f"--reading {a.reading}: no such file")
     setup = Setup(a.steps, a.prompts, a.group, a.lr, a.temperature, a.val_every, a.val_rows, a.micro, a.mini_batches,
-                  held_out_file(a.work, a.val_rows))
+                  held_out_file(a.work, a.val_rows), a.lr_schedule)
     restored = restore_cache(a.work, os.path.join(a.results, "runs.json"))
     if restored:
         log(f"{restored} run summaries restored from {a.results}/runs.json into {a.work}/runs")

@@ -199,3 +199,41 @@ def test_more_held_out_rows_extend_the_shipped_draw(tmp_path):
     assert len(rows) == 1500 and rows[:1024] == shipped
     assert len({r["prompt"][0]["content"] for r in rows}) == 1500
     assert held_out_file(str(tmp_path), 1500) == path  # written once
+
+
+def test_a_cosine_learning_rate_is_passed_to_verl_recorded_and_kept_apart():
+    import dataclasses
+
+    import regime_search
+    from mini.arms import ALL_ARMS
+    from mini.runs import _stale, run_overrides
+
+    setup = Setup(20, 64, 2, 1e-4, 1.0, 10, 1024, 512, 4)
+    cosine = dataclasses.replace(setup, lr_schedule="cosine")
+    agents = [{"agent": AGENTS["M12"], "path": "/a"}, {"agent": AGENTS["B"], "path": "/b"}]
+    assert "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine" in run_overrides(
+        ALL_ARMS["gspo"], 0, agents, cosine, "/tmp/r", True)
+    assert "actor_rollout_ref.actor.optim.lr_scheduler_type=constant" in run_overrides(
+        ALL_ARMS["gspo"], 0, agents, setup, "/tmp/r", True)
+    # a run recorded before the key made its steps at a constant lr: reused for constant, not for cosine
+    made = {"steps": 20, "group": 2, "prompts": 64, "lr": 1e-4, "temperature": 1.0, "mini_batches": 4,
+            "mini_batch_rule": "equal_rows"}
+    assert _stale(made, ALL_ARMS["gspo"], setup) == ""
+    assert _stale(made, ALL_ARMS["gspo"], cosine) == "lr_schedule constant != cosine"
+    assert _stale({**made, "lr_schedule": "cosine"}, ALL_ARMS["gspo"], cosine) == ""
+
+    def run(arm, seed, group, schedule, acc):
+        out = _run(arm, seed, acc)
+        out.update(group=group, lr=1e-4, agents=["a_dir", "b_dir"], prompts=32, temperature=1.0, mini_batches=4,
+                   timing={}, diagnostics={})
+        if schedule:
+            out["lr_schedule"] = schedule
+        return out
+
+    runs = [run(arm, seed, g, schedule, {"a": 0.5, "b": 0.2})
+            for schedule in (None, "cosine") for seed in range(2) for arm, g in (("gspo", 2), ("gspo2x", 4))]
+    rows = [line for line in regime_search.report(runs).splitlines() if line.startswith("| a_dir + b_dir: G = 2")]
+    assert rows == [
+        "| a_dir + b_dir: G = 2 against 2G = 4, lr 0.0001, 4 steps, 32 prompts a step, temperature 1, `--mini-batches 4` | 2 | no |",
+        "| a_dir + b_dir: G = 2 against 2G = 4, lr 0.0001 (cosine decay to 0), 4 steps, 32 prompts a step, temperature 1, `--mini-batches 4` | 2 | no |",
+    ]

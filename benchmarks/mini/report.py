@@ -225,7 +225,7 @@ def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, c
         "",
         f"RL: `python -m recipe_hacpo.main --config-name hacpo_cpu_demo` per run (own Ray session), {setup.steps} steps, "
         f"{setup.prompts} prompts/step, G = {setup.group} per agent (GSPO×2: {2 * setup.group}), temperature "
-        f"{setup.temperature}, Adam lr {setup.lr}, {updates}, GSPO clip 3e-4/4e-4, HACPO α = 1, δ = 0.2, "
+        f"{setup.temperature}, Adam lr {setup.lr}{' with cosine decay to 0' if setup.lr_schedule == 'cosine' else ''}, {updates}, GSPO clip 3e-4/4e-4, HACPO α = 1, δ = 0.2, "
         "δ_step = 0.025, K = 5, baseline cap 1. Seeds vary the data order (`data.seed`) and the rollout sampling seed; "
         "every comparison is paired by seed.",
         "",

@@ -26,6 +26,7 @@ class Setup:
     micro: int
     mini_batches: int = 1  # optimizer updates per step (HACPO's update index m runs 0..mini_batches-1)
     val_file: str = VAL_FILE  # held-out prompts (held_out_file)
+    lr_schedule: str = "constant"  # verl's actor optim.lr_scheduler_type: constant, or cosine decay to 0 over the steps
 
 
 SHIPPED_VAL_ROWS = 1024  # rows of the shipped held-out file (recipe_hacpo.data.synthetic.SHIPPED)
@@ -91,6 +92,7 @@ def run_overrides(arm: Arm, seed: int, agents: list[dict], setup: Setup, run_dir
         f"actor_rollout_ref.actor.ppo_mini_batch_size={mini_prompts}",
         f"actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu={micro}",
         f"actor_rollout_ref.actor.optim.lr={setup.lr}",
+        f"actor_rollout_ref.actor.optim.lr_scheduler_type={setup.lr_schedule}",
         f"actor_rollout_ref.rollout.temperature={setup.temperature}",
         f"actor_rollout_ref.rollout.seed={1000 + seed}",
         f"actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu={micro}",
@@ -174,9 +176,9 @@ def _stale(summary: dict, arm: Arm, setup: Setup, agents: list[str] | None = Non
     """What differs between a cached run and the requested settings ('' when it can be reused)."""
     wanted = {"steps": setup.steps, "group": setup.group * arm.group_mult, "prompts": setup.prompts,
               "lr": setup.lr, "temperature": setup.temperature, "mini_batches": setup.mini_batches,
-              "mini_batch_rule": MINI_BATCH_RULE, "val_rows": setup.val_rows}
-    # runs cached before a key existed made one update per step and were scored on the shipped rows
-    made = {"mini_batches": 1, "val_rows": SHIPPED_VAL_ROWS, **summary}
+              "mini_batch_rule": MINI_BATCH_RULE, "val_rows": setup.val_rows, "lr_schedule": setup.lr_schedule}
+    # runs cached before a key existed made one update per step at a constant lr and were scored on the shipped rows
+    made = {"mini_batches": 1, "val_rows": SHIPPED_VAL_ROWS, "lr_schedule": "constant", **summary}
     if "agents" in summary and agents is not None and summary["agents"] != agents:
         return f"agents {summary['agents']} != {agents}"
     return ", ".join(f"{k} {made[k]} != {v}" for k, v in wanted.items() if k in made and made[k] != v)
@@ -248,7 +250,7 @@ def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str
     summary.update({"arm": arm_key, "seed": seed, "pair": pair, "wall_s": wall, "group": setup.group * arm.group_mult,
                     "prompts": setup.prompts, "lr": setup.lr, "temperature": setup.temperature,
                     "mini_batches": setup.mini_batches, "mini_batch_rule": MINI_BATCH_RULE,
-                    "val_rows": setup.val_rows, "mini_batch_prompts": mini_batch_prompts(arm, setup, len(agents)),
+                    "val_rows": setup.val_rows, "lr_schedule": setup.lr_schedule, "mini_batch_prompts": mini_batch_prompts(arm, setup, len(agents)),
                     "train_s": sum(summary["timing"].get("step", []))})
     with open(summary_file, "w") as f:
         json.dump(summary, f)
