@@ -24,18 +24,16 @@ from mini.agents import AGENTS
 from mini.common import REPO
 from mini.arms import ALL_ARMS
 from mini.report import regime_table
-from mini.runs import SHIPPED_VAL_ROWS
+from mini.runs import SHIPPED_VAL_ROWS, UNRECORDED
 
 RESULTS = os.path.join(REPO, "benchmarks", "results")
 REGIME_ARMS = ("gspo", "gspo2x")
 # a setting: what both arms share (the GSPO×2 run's group is twice --group)
 SETTING_KEYS = ("agents", "steps", "prompts", "lr", "temperature", "mini_batches", "val_rows", "lr_schedule")
-# runs recorded before a key existed: scored on the shipped rows, at a constant learning rate
-DEFAULTS = {"val_rows": SHIPPED_VAL_ROWS, "lr_schedule": "constant"}
 
 
 def _value(run: dict, key: str):
-    return run.get(key, DEFAULTS.get(key))
+    return run.get(key, UNRECORDED.get(key))
 AGENT_NAMES = {a.run_id: key for key, a in AGENTS.items()}
 
 
@@ -86,7 +84,7 @@ def settings(runs: list[dict]) -> dict[tuple, list[dict]]:
 def setting_title(key: tuple) -> str:
     agents, group, steps, prompts, lr, temperature, mini_batches, val_rows, lr_schedule = key
     who = " + ".join(AGENT_NAMES.get(a, a) for a in agents)
-    held_out = "" if val_rows == DEFAULTS["val_rows"] else f", scored on {val_rows} held-out prompts"
+    held_out = "" if val_rows == SHIPPED_VAL_ROWS else f", scored on {val_rows} held-out prompts"
     decay = "" if lr_schedule == "constant" else f" ({lr_schedule} decay to 0)"
     return (f"{who}: G = {group} against 2G = {2 * group}, lr {lr:g}{decay}, {steps} steps, {prompts} prompts a step, "
             f"temperature {temperature:g}, `--mini-batches {mini_batches}`{held_out}")

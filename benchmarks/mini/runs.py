@@ -30,6 +30,9 @@ class Setup:
 
 
 SHIPPED_VAL_ROWS = 1024  # rows of the shipped held-out file (recipe_hacpo.data.synthetic.SHIPPED)
+# what a run summary recorded before a key existed was made with: one update per step, scored on the
+# shipped held-out rows, at a constant learning rate
+UNRECORDED = {"mini_batches": 1, "val_rows": SHIPPED_VAL_ROWS, "lr_schedule": "constant"}
 
 
 def held_out_file(work: str, rows: int) -> str:
@@ -177,8 +180,7 @@ def _stale(summary: dict, arm: Arm, setup: Setup, agents: list[str] | None = Non
     wanted = {"steps": setup.steps, "group": setup.group * arm.group_mult, "prompts": setup.prompts,
               "lr": setup.lr, "temperature": setup.temperature, "mini_batches": setup.mini_batches,
               "mini_batch_rule": MINI_BATCH_RULE, "val_rows": setup.val_rows, "lr_schedule": setup.lr_schedule}
-    # runs cached before a key existed made one update per step at a constant lr and were scored on the shipped rows
-    made = {"mini_batches": 1, "val_rows": SHIPPED_VAL_ROWS, "lr_schedule": "constant", **summary}
+    made = {**UNRECORDED, **summary}
     if "agents" in summary and agents is not None and summary["agents"] != agents:
         return f"agents {summary['agents']} != {agents}"
     return ", ".join(f"{k} {made[k]} != {v}" for k, v in wanted.items() if k in made and made[k] != v)
