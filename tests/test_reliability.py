@@ -851,7 +851,6 @@ def test_e2e_sigkill_mid_rollout_and_mid_update_then_resume_reproduces_the_unint
     import random
 
     rng = random.Random()
-    delays = [rng.uniform(0.0, 0.05) for _ in range(2)]
     paths = {"qwen2-char-small": warm_agent_paths["qwen2-char-small"],
              "llama-pair-medium": warm_agent_paths["llama-pair-medium"]}
     common = _agents(paths) + [
@@ -867,6 +866,11 @@ def test_e2e_sigkill_mid_rollout_and_mid_update_then_resume_reproduces_the_unint
     assert sorted(expected) == [1, 2, 3]
     # the comparison has teeth: the agents' rewards and losses move from step to step
     assert len({expected[s]["agent/qwen_char/actor/pg_loss"] for s in expected}) == 3
+    # each kill lands a random moment within the first half of its phase, as long as the phase
+    # took in the uninterrupted run (a fixed window would outlast a fast phase and kill the next)
+    reference_steps = _steps(reference)
+    delays = [rng.uniform(0.0, 0.5) * reference_steps[2]["timing_s/gen"],
+              rng.uniform(0.0, 0.5) * reference_steps[3]["timing_s/update_actor"]]
 
     work = str(tmp_path / "interrupted")
     ckpt = os.path.join(work, "ckpt")
