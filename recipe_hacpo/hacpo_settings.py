@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable
+from typing import Any
 
 PATH = "algorithm.hacpo"
 

@@ -11,7 +11,7 @@ import os
 import sys
 
 import hydra
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 
 from recipe_hacpo.config import ConfigError, validate
 

@@ -66,10 +66,12 @@ def test_recovered_fraction_undefined_without_a_gain_or_seeds():
     assert 0.2 < r.undefined < 0.3  # both picks of seed 1: probability 1/4
 
 
-def _run(arm: str, seed: int, acc: dict[str, float], diag: dict | None = None, steps: int = 4) -> dict:
+def _run(arm: str, seed: int, acc: dict[str, float], diag: dict | None = None, steps: int = 4,
+         pair: str = "model") -> dict:
     names = list(acc)
     return {
-        "arm": arm, "seed": seed, "pair": "model", "names": names, "steps": steps,
+        "arm": arm, "seed": seed, "pair": pair, "names": names, "steps": steps,
+        "agents": [AGENTS[k].run_id for k in PAIRS[pair]],
         "train_reward": {n: [0.2] * steps for n in names},
         "val": {n: {str(steps): acc[n]} for n in names},
         "final_acc": acc, "rollout_tokens": {n: 100.0 for n in names}, "timing": {}, "wall_s": 10.0,
@@ -109,6 +111,41 @@ def test_report_has_regime_recovered_fraction_and_diagnostics(tmp_path):
     assert f"| HACPO (G each) | {q} | — | 0.600 | — | 0.500 | 0.100 | — | — | 40% | 40% |" in text
     assert f"| HACPO (G each) | {l} | — | — | — | 0.200 | 0.200 | — | — | 60% | 60% |" in text
     assert "## Reading\n\nSharing helped here." in text
+
+
+def test_step_zero_accuracy_is_shared_by_every_run_of_the_same_warm_start_and_held_out_rows(tmp_path):
+    from mini.runs import step_zero_accuracy
+
+    weak, strong = PAIRS["model"]
+    q, l = AGENTS[weak].name, AGENTS[strong].name
+    # only the first run of an invocation validated at step 0: a `state` run (the weak agent with
+    # another peer), scored on 4096 held-out rows
+    state_peer = AGENTS[PAIRS["state"][1]].name
+    first = _run("gspo", 0, {q: 0.2, state_peer: 0.6}, pair="state")
+    first.update(val_rows=4096, machine="machine A")
+    first["val"][q]["0"], first["val"][state_peer]["0"] = 0.13, 0.27
+    later = [_run(arm, 0, {q: 0.2, l: 0.5}) for arm in ("gspo", "gspo2x")]
+    for r in later:
+        r.update(val_rows=4096, machine="machine B")
+    unscored = _run("gspo", 1, {q: 0.2, l: 0.5})  # recorded before val_rows: the shipped 1024 rows
+    runs = [first, *later, unscored]
+    assert step_zero_accuracy(runs, AGENTS[weak].run_id, 4096) == 0.13
+    assert step_zero_accuracy(runs, AGENTS[weak].run_id, 1024) is None  # other held-out rows
+    assert step_zero_accuracy(runs, AGENTS[strong].run_id, 4096) is None  # never validated at step 0
+    agents = {k: {"agent": AGENTS[k], "record": {"params": 1, "steps": 1, "seed": 0, "held_out_accuracy": 0.5}}
+              for k in {*PAIRS["model"], *PAIRS["state"]}}
+    path = tmp_path / "report.md"
+    report.write_report(str(path), later, agents, Setup(4, 16, 2, 1e-4, 1.0, 4, 4096, 64, 2), "cmd", [0],
+                        [], 0.0, "model")
+    text = path.read_text()
+    assert "Held-out accuracy at step 0" not in text  # the report only has the later runs
+    report.write_report(str(path), runs[:3], agents, Setup(4, 16, 2, 1e-4, 1.0, 4, 4096, 64, 2), "cmd", [0],
+                        [], 0.0, "model")
+    text = path.read_text()
+    assert (f"Held-out accuracy at step 0 measured by the trainer's validation: {q} 13.0 %; "
+            f"{l} not validated at step 0 by any run.") in text
+    # the machines the runs were made on, not the one that rebuilt the report
+    assert "Runs made on: machine A (1 runs); machine B (2 runs). Report written on: " in text
 
 
 def test_every_arm_updates_on_the_same_number_of_rows():

@@ -53,7 +53,6 @@ def source_batch(tokenizer, responses: list[list[int]], width: int | None = None
     if isinstance(prompt_ids, dict) or hasattr(prompt_ids, "input_ids"):
         prompt_ids = prompt_ids["input_ids"]
     bsz = len(responses)
-    p_width = len(prompt_ids)
     r_width = max(1, width or max((len(r) for r in responses), default=1))
     pad = tokenizer.pad_token_id
     prompts = torch.tensor([prompt_ids] * bsz, dtype=torch.int64)

@@ -22,7 +22,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from verl import DataProto
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.config import AgentSpec, ConfigError
+from recipe_hacpo.config import AgentSpec
 from recipe_hacpo.core_algos import CapabilityTracker
 from recipe_hacpo.reliability import (
     LATEST_FILE,

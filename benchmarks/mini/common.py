@@ -18,7 +18,8 @@ def log(msg: str) -> None:
     print(f"[miniature {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def machine() -> str:
+def machine(load: bool = True) -> str:
+    """This machine in one line; with `load`, its load average now."""
     cpu = "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
@@ -35,13 +36,13 @@ def machine() -> str:
             mem = f", {kb / 2**20:.0f} GiB RAM"
     except (OSError, ValueError, IndexError):
         pass
-    load = ""
+    load_now = ""
     try:
-        load = ", load average now %.1f / %.1f / %.1f (1/5/15 min)" % os.getloadavg()
+        load_now = ", load average now %.1f / %.1f / %.1f (1/5/15 min)" % os.getloadavg() if load else ""
     except OSError:
         pass
     return (f"{os.cpu_count()} CPU cores ({cpu}){mem}, no GPU, {platform.system()} {platform.release()}, "
-            f"Python {platform.python_version()}{load}")
+            f"Python {platform.python_version()}{load_now}")
 
 
 def mean_std(values: list[float]) -> tuple[float, float]:
@@ -59,3 +60,16 @@ def fmt_pm(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
     if len(values) == 1:
         return f"{m * scale:.{digits}f}"
     return f"{m * scale:.{digits}f} ± {s * scale:.{digits}f}"
+
+
+def machines_line(summaries: list[dict]) -> str:
+    """Where the reported runs were made (each summary records its machine) and where the report is
+    written: a report rebuilt from cached runs elsewhere must not pass this machine off as theirs."""
+    made: dict[str, int] = {}
+    for s in summaries:
+        key = s.get("machine", "")
+        made[key] = made.get(key, 0) + 1
+    parts = [f"{m} ({n} runs)" for m, n in sorted(made.items()) if m]
+    if made.get(""):
+        parts.append(f"not recorded for {made['']} runs (made before summaries recorded it)")
+    return f"Runs made on: {'; '.join(parts) or 'no runs'}. Report written on: {machine()}."

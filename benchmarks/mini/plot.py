@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from mini.agents import PAIRS
 from mini.arms import ALL_ARMS, ARMS
+from mini.runs import UNRECORDED, step_zero_accuracy
 
 
 def write_plot(path: str, summaries: list[dict], agents: dict, pair: str, smooth: int = 10) -> None:
@@ -33,9 +34,10 @@ def write_plot(path: str, summaries: list[dict], agents: dict, pair: str, smooth
             for r in runs:
                 for st, v in r["val"][n].items():
                     pts.setdefault(int(st), []).append(v)
-            zero = [s["val"][n].get("0") for s in summaries if s["pair"] == pair and s["val"][n].get("0") is not None]
-            if zero and 0 not in pts:
-                pts[0] = [zero[0]]
+            made = {**UNRECORDED, **runs[0]}
+            zero = step_zero_accuracy(summaries, made["agents"][made["names"].index(n)], made["val_rows"])
+            if zero is not None and 0 not in pts:
+                pts[0] = [zero]
             xs = sorted(pts)
             axv.plot(xs, [np.mean(pts[x]) * 100 for x in xs], style, marker="o", label=ALL_ARMS[k].label)
         ax.set_title(f"{n}: on-policy train reward\n(T=1, moving avg {smooth} steps, mean over seeds)", fontsize=10)

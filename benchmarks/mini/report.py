@@ -8,8 +8,8 @@ import time
 
 from mini.agents import PAIR_KINDS, PAIRS
 from mini.arms import ABLATIONS, ALL_ARMS, ARMS
-from mini.common import fmt_pm, machine
-from mini.runs import Setup
+from mini.common import fmt_pm, machines_line
+from mini.runs import UNRECORDED, Setup, step_zero_accuracy
 from mini.stats import Paired, Recovered, paired, recovered_fraction, regime_holds
 
 
@@ -175,12 +175,18 @@ def agent_lines(agents: dict, keys: tuple[str, ...]) -> list[str]:
     return lines
 
 
-def start_line(runs: list[dict], names: list[str]) -> list[str]:
-    zero = next((s for s in runs if s["val"][names[0]].get("0") is not None), None)
-    if zero is None:
+def start_line(summaries: list[dict], runs: list[dict], names: list[str]) -> list[str]:
+    """The pair's held-out accuracy at step 0, from whichever run of each agent validated then."""
+    if not runs:
+        return []
+    made = {**UNRECORDED, **runs[0]}
+    zero = {n: step_zero_accuracy(summaries, made["agents"][made["names"].index(n)], made["val_rows"]) for n in names}
+    known = {n: v for n, v in zero.items() if v is not None}
+    if not known:
         return []
     return ["Held-out accuracy at step 0 measured by the trainer's validation: "
-            + ", ".join(f"{n} {zero['val'][n]['0'] * 100:.1f} %" for n in names) + ".", ""]
+            + ", ".join(f"{n} {v * 100:.1f} %" for n, v in known.items())
+            + "".join(f"; {n} not validated at step 0 by any run" for n in zero if n not in known) + ".", ""]
 
 
 def pair_section(title: str, summaries: list[dict], agents: dict, pair: str, arm_keys: list[str],
@@ -189,7 +195,7 @@ def pair_section(title: str, summaries: list[dict], agents: dict, pair: str, arm
     header, sep = agent_table_header(names)
     runs = [s for s in summaries if s["pair"] == pair]
     return [title, "", *agent_lines(agents, PAIRS[pair]), "", *regime_lines(runs, names), header, sep,
-            *arm_rows(runs, arm_keys, names, at_step), "", *start_line(runs, names),
+            *arm_rows(runs, arm_keys, names, at_step), "", *start_line(summaries, runs, names),
             *diagnostic_lines(runs, names, arm_keys), ""]
 
 
@@ -209,7 +215,7 @@ def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, c
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {machine()}.",
+        machines_line(summaries),
         "",
         f"Written {time.strftime('%Y-%m-%d %H:%M:%S')}; this invocation took {(time.time() - started) / 60:.1f} min "
         "(runs cached from an earlier invocation are not re-timed here).",
@@ -247,7 +253,7 @@ def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, c
         sep,
         *arm_rows(main, list(ARMS), names),
         "",
-        *start_line(main, names),
+        *start_line(summaries, main, names),
         "### What the sharing arms did, step by step (mean over steps, then over seeds)",
         "",
         "P̂ = capability; ω = the discrepancy coefficient applied to the peer's rows; s = the cross rows' "
@@ -316,7 +322,7 @@ def write_cost_profile(path: str, summaries: list[dict], setup: Setup, command: 
         "",
         f"Command: `{command}`",
         "",
-        f"Machine: {machine()}.",
+        machines_line([s for runs in arms.values() for s in runs]),
         "",
         f"From the `timing_s/*` metrics of the main-table runs (pair `{pair}`, {setup.prompts} prompts/step, "
         f"G = {setup.group}); median over steps 2..{setup.steps} of every seed. Both agents run each phase "

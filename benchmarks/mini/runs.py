@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 
 from mini.arms import ALL_ARMS, Arm
-from mini.common import DATA_DIR, REPO, TRAIN_FILE, VAL_FILE, VAL_SOURCE, log
+from mini.common import DATA_DIR, REPO, TRAIN_FILE, VAL_FILE, VAL_SOURCE, log, machine
 
 @dataclass
 class Setup:
@@ -33,6 +33,21 @@ SHIPPED_VAL_ROWS = 1024  # rows of the shipped held-out file (recipe_hacpo.data.
 # what a run summary recorded before a key existed was made with: one update per step, scored on the
 # shipped held-out rows, at a constant learning rate
 UNRECORDED = {"mini_batches": 1, "val_rows": SHIPPED_VAL_ROWS, "lr_schedule": "constant"}
+
+
+def step_zero_accuracy(summaries: list[dict], agent: str, val_rows: int) -> float | None:
+    """Held-out accuracy of warm start `agent` (a summary's `agents` entry) before any RL step.
+
+    Only the first run of an invocation validates at step 0, and greedy validation before training
+    depends on nothing but the agent's warm start and the held-out rows: any run of that agent scored
+    on as many held-out rows gives it, whatever its pair, arm or seed.
+    """
+    for s in summaries:
+        if {**UNRECORDED, **s}["val_rows"] == val_rows and agent in s["agents"]:
+            at_zero = s["val"][s["names"][s["agents"].index(agent)]].get("0")
+            if at_zero is not None:
+                return at_zero
+    return None
 
 
 def held_out_file(work: str, rows: int) -> str:
@@ -253,7 +268,7 @@ def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str
                     "prompts": setup.prompts, "lr": setup.lr, "temperature": setup.temperature,
                     "mini_batches": setup.mini_batches, "mini_batch_rule": MINI_BATCH_RULE,
                     "val_rows": setup.val_rows, "lr_schedule": setup.lr_schedule, "mini_batch_prompts": mini_batch_prompts(arm, setup, len(agents)),
-                    "train_s": sum(summary["timing"].get("step", []))})
+                    "train_s": sum(summary["timing"].get("step", [])), "machine": machine(load=False)})
     with open(summary_file, "w") as f:
         json.dump(summary, f)
     accs = ", ".join(f"{n} {v if v is None else round(v, 3)}" for n, v in summary["final_acc"].items())
