@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--work", default="/tmp/hacpo_bench", help="agents, run logs and checkpoints")
     p.add_argument("--results", default=os.path.join(REPO, "benchmarks", "results"))
-    p.add_argument("--pair", default="model", choices=sorted(PAIRS))
+    p.add_argument("--pair", default="model_m18b", choices=sorted(PAIRS))
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--group", type=int, default=8)
