@@ -129,9 +129,9 @@ def test_step_zero_accuracy_is_shared_by_every_run_of_the_same_warm_start_and_he
         r.update(val_rows=4096, machine="machine B")
     unscored = _run("gspo", 1, {q: 0.2, l: 0.5})  # recorded before val_rows: the shipped 1024 rows
     runs = [first, *later, unscored]
-    assert step_zero_accuracy(runs, AGENTS[weak].run_id, 4096) == 0.13
-    assert step_zero_accuracy(runs, AGENTS[weak].run_id, 1024) is None  # other held-out rows
-    assert step_zero_accuracy(runs, AGENTS[strong].run_id, 4096) is None  # never validated at step 0
+    assert step_zero_accuracy(runs, later[1], q) == 0.13
+    assert step_zero_accuracy(runs, unscored, q) is None  # other held-out rows
+    assert step_zero_accuracy(runs, later[1], l) is None  # never validated at step 0
     agents = {k: {"agent": AGENTS[k], "record": {"params": 1, "steps": 1, "seed": 0, "held_out_accuracy": 0.5}}
               for k in {*PAIRS["model"], *PAIRS["state"]}}
     path = tmp_path / "report.md"

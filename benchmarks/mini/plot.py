@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from mini.agents import PAIRS
 from mini.arms import ALL_ARMS, ARMS
-from mini.runs import UNRECORDED, step_zero_accuracy
+from mini.runs import step_zero_accuracy
 
 
 def write_plot(path: str, summaries: list[dict], agents: dict, pair: str, smooth: int = 10) -> None:
@@ -34,8 +34,7 @@ def write_plot(path: str, summaries: list[dict], agents: dict, pair: str, smooth
             for r in runs:
                 for st, v in r["val"][n].items():
                     pts.setdefault(int(st), []).append(v)
-            made = {**UNRECORDED, **runs[0]}
-            zero = step_zero_accuracy(summaries, made["agents"][made["names"].index(n)], made["val_rows"])
+            zero = step_zero_accuracy(summaries, runs[0], n)
             if zero is not None and 0 not in pts:
                 pts[0] = [zero]
             xs = sorted(pts)

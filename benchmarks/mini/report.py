@@ -9,7 +9,7 @@ import time
 from mini.agents import PAIR_KINDS, PAIRS
 from mini.arms import ABLATIONS, ALL_ARMS, ARMS
 from mini.common import fmt_pm, machines_line
-from mini.runs import UNRECORDED, Setup, step_zero_accuracy
+from mini.runs import Setup, step_zero_accuracy
 from mini.stats import Paired, Recovered, paired, recovered_fraction, regime_holds
 
 
@@ -179,8 +179,7 @@ def start_line(summaries: list[dict], runs: list[dict], names: list[str]) -> lis
     """The pair's held-out accuracy at step 0, from whichever run of each agent validated then."""
     if not runs:
         return []
-    made = {**UNRECORDED, **runs[0]}
-    zero = {n: step_zero_accuracy(summaries, made["agents"][made["names"].index(n)], made["val_rows"]) for n in names}
+    zero = {n: step_zero_accuracy(summaries, runs[0], n) for n in names}
     known = {n: v for n, v in zero.items() if v is not None}
     if not known:
         return []

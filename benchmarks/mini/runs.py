@@ -35,13 +35,15 @@ SHIPPED_VAL_ROWS = 1024  # rows of the shipped held-out file (recipe_hacpo.data.
 UNRECORDED = {"mini_batches": 1, "val_rows": SHIPPED_VAL_ROWS, "lr_schedule": "constant"}
 
 
-def step_zero_accuracy(summaries: list[dict], agent: str, val_rows: int) -> float | None:
-    """Held-out accuracy of warm start `agent` (a summary's `agents` entry) before any RL step.
+def step_zero_accuracy(summaries: list[dict], run: dict, name: str) -> float | None:
+    """Held-out accuracy before any RL step of `run`'s agent `name` (its trainer name).
 
     Only the first run of an invocation validates at step 0, and greedy validation before training
-    depends on nothing but the agent's warm start and the held-out rows: any run of that agent scored
-    on as many held-out rows gives it, whatever its pair, arm or seed.
+    depends on nothing but the agent's warm start and the held-out rows: any run of that warm start
+    scored on as many held-out rows gives it, whatever its pair, arm or seed.
     """
+    made = {**UNRECORDED, **run}
+    agent, val_rows = made["agents"][made["names"].index(name)], made["val_rows"]
     for s in summaries:
         if {**UNRECORDED, **s}["val_rows"] == val_rows and agent in s["agents"]:
             at_zero = s["val"][s["names"][s["agents"].index(agent)]].get("0")
