@@ -6,6 +6,7 @@ import os
 import platform
 import statistics
 import time
+from collections import Counter
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DATA_DIR = os.path.join(REPO, "data")
@@ -65,10 +66,7 @@ def fmt_pm(values: list[float], scale: float = 100.0, digits: int = 1) -> str:
 def machines_line(summaries: list[dict]) -> str:
     """Where the reported runs were made (each summary records its machine) and where the report is
     written: a report rebuilt from cached runs elsewhere must not pass this machine off as theirs."""
-    made: dict[str, int] = {}
-    for s in summaries:
-        key = s.get("machine", "")
-        made[key] = made.get(key, 0) + 1
+    made = Counter(s.get("machine", "") for s in summaries)
     parts = [f"{m} ({n} runs)" for m, n in sorted(made.items()) if m]
     if made.get(""):
         parts.append(f"not recorded for {made['']} runs (made before summaries recorded it)")
