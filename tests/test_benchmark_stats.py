@@ -113,6 +113,30 @@ def test_report_has_regime_recovered_fraction_and_diagnostics(tmp_path):
     assert "## Reading\n\nSharing helped here." in text
 
 
+def test_report_pairs_each_ablation_with_hacpo_of_the_same_seed(tmp_path):
+    q, l = (AGENTS[k].name for k in PAIRS["model"])
+    runs = []
+    # HACPO's seeds differ by 10 points; the guard ablation moves qwen by +1, +2, +3 on top of that
+    # (paired: +2 ± 1) and llama by -9 on every seed; seed 2 of the fixed-clip ablation did not run
+    for seed, (h_q, h_l) in enumerate([(0.30, 0.60), (0.40, 0.70), (0.50, 0.80)]):
+        runs += [_run("gspo", seed, {q: 0.2, l: 0.5}), _run("gspo2x", seed, {q: 0.3, l: 0.6}),
+                 _run("hacpo", seed, {q: h_q, l: h_l}),
+                 _run("abl_no_guard", seed, {q: h_q + 0.01 * (seed + 1), l: h_l - 0.09})]
+        if seed < 2:
+            runs.append(_run("abl_clip_fixed", seed, {q: h_q, l: h_l + 0.02}))
+    agents = {k: {"agent": AGENTS[k], "record": {"params": 1, "steps": 1, "seed": 0, "held_out_accuracy": 0.5}}
+              for k in PAIRS["model"]}
+    path = tmp_path / "report.md"
+    report.write_report(str(path), runs, agents, Setup(4, 16, 2, 1e-4, 1.0, 4, 64, 64, 2), "cmd", [0, 1, 2],
+                        [], 0.0, "model")
+    text = path.read_text()
+    assert f"| HACPO − baseline guard | {q} | +2.0 ± 1.0 (n=3) | s0 +1.0, s1 +2.0, s2 +3.0 | 2.0 |" in text
+    assert f"| HACPO − baseline guard | {l} | -9.0 ± 0.0 (n=3) | s0 -9.0, s1 -9.0, s2 -9.0 | -inf |" in text
+    assert f"| HACPO, cross clip fixed | {l} | +2.0 ± 0.0 (n=2) | s0 +2.0, s1 +2.0 | inf |" in text
+    # ablations the run did not make get no row
+    assert "| HACPO, α = 0 |" not in text
+
+
 def test_step_zero_accuracy_is_shared_by_every_run_of_the_same_warm_start_and_held_out_rows(tmp_path):
     from mini.runs import step_zero_accuracy
 

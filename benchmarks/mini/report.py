@@ -118,6 +118,22 @@ def regime_lines(summaries: list[dict], names: list[str], sigmas: float = 3.0) -
             "fractions below divide by a gain that is not clearly above noise.", ""]
 
 
+def ablation_vs_hacpo_lines(summaries: list[dict], names: list[str], at_step: int | None = None) -> list[str]:
+    """Each ablation against full HACPO, paired by seed: what switching one mechanism off did."""
+    by = by_arm_and_seed(summaries)
+    hacpo = by.get("hacpo", {})
+    present = [key for key in ABLATIONS if by.get(key)]
+    if not hacpo or not present:
+        return []
+    lines = ["| ablation | agent | ablation − HACPO (points, paired) | per seed | mean / std |", "|---|---|---|---|---|"]
+    for key in present:
+        for n in names:
+            d = paired(accs_by_seed(by[key], n, at_step), accs_by_seed(hacpo, n, at_step))
+            per_seed = ", ".join(f"s{s} {x * 100:+.1f}" for s, x in zip(d.seeds, d.diffs))
+            lines.append(f"| {ALL_ARMS[key].label} | {n} | {fmt_paired(d)} | {per_seed} | {d.sigmas():.1f} |")
+    return [*lines, ""]
+
+
 # per-step sharing metrics summarised per arm and agent: (metric, column title)
 DIAGNOSTIC_COLUMNS = (
     ("capability", "P̂"),
@@ -279,6 +295,10 @@ def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, c
             sep,
             *arm_rows(ref + abl, ["gspo", "gspo2x", "hacpo", *ABLATIONS], names, at_step=at),
             "",
+            "Each ablation against HACPO of the same seeds (a positive difference: the agent did better with "
+            "the mechanism off):",
+            "",
+            *ablation_vs_hacpo_lines(ref + abl, names, at_step=at),
             *diagnostic_lines(ref + abl, names, ["hacpo", *ABLATIONS]),
             "",
         ]
