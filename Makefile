@@ -3,7 +3,7 @@
 #
 #   make demo         the CPU demo (two tiny agents learn 3-digit addition together)
 #   make test         every test, as CI runs them (.ci/run calls this target)
-#   make test-quick   the tests that start no Ray cluster (674 tests; about 6 min on a
+#   make test-quick   the tests that start no Ray cluster (675 tests; about 6 min on a
 #                     2-core machine)
 #   make venv         only create / refresh the environment
 #
