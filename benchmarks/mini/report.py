@@ -40,6 +40,11 @@ def fmt_paired(d: Paired) -> str:
     return "%+.1f ± %.1f (n=%d)" % (d.mean * 100, d.std * 100, len(d.diffs))
 
 
+def fmt_per_seed(d: Paired) -> str:
+    """Each seed's paired difference in points: `s0 +4.0, s1 +6.0`."""
+    return ", ".join(f"s{s} {x * 100:+.1f}" for s, x in zip(d.seeds, d.diffs))
+
+
 def fmt_recovered(r: Recovered | None) -> str:
     if r is None:
         return "—"
@@ -101,9 +106,8 @@ def regime_table(summaries: list[dict], names: list[str], sigmas: float = 3.0) -
         d = paired(g2, g)
         holds = regime_holds(d, sigmas)
         verdicts.append(holds)
-        per_seed = ", ".join(f"s{s} {x * 100:+.1f}" for s, x in zip(d.seeds, d.diffs))
         lines.append(f"| {n} | {fmt_pm([g[s] for s in d.seeds])} | {fmt_pm([g2[s] for s in d.seeds])} | "
-                     f"{fmt_paired(d)} | {per_seed} | {d.sigmas():.1f} | {'yes' if holds else 'no'} | "
+                     f"{fmt_paired(d)} | {fmt_per_seed(d)} | {d.sigmas():.1f} | {'yes' if holds else 'no'} | "
                      f"{d.standard_errors():.1f} |")
     return lines, all(verdicts)
 
@@ -129,8 +133,7 @@ def ablation_vs_hacpo_lines(summaries: list[dict], names: list[str], at_step: in
     for key in present:
         for n in names:
             d = paired(accs_by_seed(by[key], n, at_step), accs_by_seed(hacpo, n, at_step))
-            per_seed = ", ".join(f"s{s} {x * 100:+.1f}" for s, x in zip(d.seeds, d.diffs))
-            lines.append(f"| {ALL_ARMS[key].label} | {n} | {fmt_paired(d)} | {per_seed} | {d.sigmas():.1f} |")
+            lines.append(f"| {ALL_ARMS[key].label} | {n} | {fmt_paired(d)} | {fmt_per_seed(d)} | {d.sigmas():.1f} |")
     return [*lines, ""]
 
 
