@@ -135,6 +135,13 @@ def test_report_pairs_each_ablation_with_hacpo_of_the_same_seed(tmp_path):
     assert f"| HACPO, cross clip fixed | {l} | +2.0 ± 0.0 (n=2) | s0 +2.0, s1 +2.0 | inf |" in text
     # ablations the run did not make get no row
     assert "| HACPO, α = 0 |" not in text
+    assert text.count("Each ablation against HACPO of the same seeds") == 1
+    # without HACPO's own runs there is nothing to pair with: neither the table nor its heading
+    report.write_report(str(path), [r for r in runs if r["arm"] != "hacpo"], agents,
+                        Setup(4, 16, 2, 1e-4, 1.0, 4, 64, 64, 2), "cmd", [0, 1, 2], [], 0.0, "model")
+    text = path.read_text()
+    assert "| HACPO − baseline guard | 0,1,2 |" in text
+    assert "Each ablation against HACPO" not in text and "ablation − HACPO" not in text
 
 
 def test_step_zero_accuracy_is_shared_by_every_run_of_the_same_warm_start_and_held_out_rows(tmp_path):

@@ -129,7 +129,9 @@ def ablation_vs_hacpo_lines(summaries: list[dict], names: list[str], at_step: in
     present = [key for key in ABLATIONS if by.get(key)]
     if not hacpo or not present:
         return []
-    lines = ["| ablation | agent | ablation − HACPO (points, paired) | per seed | mean / std |", "|---|---|---|---|---|"]
+    lines = ["Each ablation against HACPO of the same seeds (a positive difference: the agent did better with "
+             "the mechanism off):", "",
+             "| ablation | agent | ablation − HACPO (points, paired) | per seed | mean / std |", "|---|---|---|---|---|"]
     for key in present:
         for n in names:
             d = paired(accs_by_seed(by[key], n, at_step), accs_by_seed(hacpo, n, at_step))
@@ -297,9 +299,6 @@ def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, c
             header,
             sep,
             *arm_rows(ref + abl, ["gspo", "gspo2x", "hacpo", *ABLATIONS], names, at_step=at),
-            "",
-            "Each ablation against HACPO of the same seeds (a positive difference: the agent did better with "
-            "the mechanism off):",
             "",
             *ablation_vs_hacpo_lines(ref + abl, names, at_step=at),
             *diagnostic_lines(ref + abl, names, ["hacpo", *ABLATIONS]),
