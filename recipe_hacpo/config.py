@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
+from recipe_hacpo import planner
 from recipe_hacpo.hacpo_settings import ConfigError, HacpoSettings
 from recipe_hacpo.placement import master_port_ranges
 
@@ -33,6 +34,12 @@ class AgentSpec:
     @property
     def uses_shared_pool(self) -> bool:
         return self.n_gpus_per_node == 0
+
+    def section(self, cfg: DictConfig, name: str) -> DictConfig:
+        """`actor_rollout_ref.<name>` (actor, rollout, ref) as this agent sees it: the template
+        with the agent's own overrides merged in. Kept on the spec so that the planner, which
+        config.validate calls, needs nothing from this module."""
+        return OmegaConf.merge(cfg.actor_rollout_ref[name], self.overrides.get(name, {}))
 
 
 def hacpo_settings(cfg: DictConfig) -> HacpoSettings:
@@ -106,7 +113,26 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
         _validate_mixed_mini_batches(cfg, specs)
     _validate_pools(cfg, specs)
     _validate_gpu_memory(cfg, specs)
+    _validate_vllm_on_cpu(cfg, specs)
     return specs, hacpo
+
+
+def _validate_vllm_on_cpu(cfg: DictConfig, specs: list[AgentSpec]) -> None:
+    """verl's vLLM rollout on a CPU machine: the environment and every vLLM agent's head size."""
+    if str(cfg.trainer.get("device", "cuda")) != "cpu":
+        return
+    users = [s for s in specs if str(s.section(cfg, "rollout").get("name")) == "vllm"]
+    if not users:
+        return
+    from recipe_hacpo.workers import vllm_cpu
+
+    problem = vllm_cpu.environment_problem()
+    if problem:
+        raise ConfigError(f"actor_rollout_ref.rollout.name=vllm with trainer.device=cpu ({users[0].name}): {problem}")
+    for s in users:
+        problem = vllm_cpu.head_size_problem(s.model_path)
+        if problem:
+            raise ConfigError(f"agents[{s.index}].model_path={s.model_path!r} ({s.name}): {problem}")
 
 
 def normalize_model_path(path: str) -> str:
@@ -125,14 +151,12 @@ def _validate_gpu_memory(cfg: DictConfig, specs: list[AgentSpec]) -> None:
     pools demand offload and a bounded sum of gpu_memory_utilization). CPU runs (`hf`
     rollout) are not checked.
     """
-    from recipe_hacpo import planner
-
-    vllm = [s for s in specs if str(_agent_section(cfg, s, "rollout").name) in VLLM_ROLLOUTS]
+    vllm = [s for s in specs if str(s.section(cfg, "rollout").name) in VLLM_ROLLOUTS]
     if not vllm:
         return
     needed = int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length)
     for s in vllm:
-        max_len = _agent_section(cfg, s, "rollout").get("max_model_len")
+        max_len = s.section(cfg, "rollout").get("max_model_len")
         if max_len is not None and int(max_len) < needed:
             raise ConfigError(
                 f"agents[{s.index}] ({s.name}): actor_rollout_ref.rollout.max_model_len={max_len} is shorter than "
@@ -167,7 +191,7 @@ def _model_path_exists(path: str) -> bool:
 def _validate_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
     batch = int(cfg.data.train_batch_size)
     for s in specs:
-        actor = _agent_section(cfg, s, "actor")
+        actor = s.section(cfg, "actor")
         mini = int(actor.ppo_mini_batch_size)
         if mini < 1 or batch % mini != 0:
             raise ConfigError(
@@ -185,8 +209,8 @@ def _validate_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
         if actor.get("use_dynamic_bsz", False):
             continue
         # verl's engine splits each GPU's rows into equal micro-batches
-        rollout = _agent_section(cfg, s, "rollout")
-        ref = _agent_section(cfg, s, "ref")
+        rollout = s.section(cfg, "rollout")
+        ref = s.section(cfg, "ref")
         learner_rows = batch * _rows_per_prompt(specs, s, cfg)
         checks = [
             ("actor.ppo_micro_batch_size_per_gpu", actor.ppo_micro_batch_size_per_gpu, rows_per_mini // world,
@@ -209,7 +233,7 @@ def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> Non
     """Spec §5: every mini-batch, on every data-parallel rank, holds whole prompt groups with
     own and cross rows (see recipe_hacpo.minibatch); verl's row shuffle would break the groups."""
     for s in specs:
-        actor = _agent_section(cfg, s, "actor")
+        actor = s.section(cfg, "actor")
         if actor.get("shuffle", False):
             raise ConfigError(
                 f"agents[{s.index}] ({s.name}): actor_rollout_ref.actor.shuffle=true breaks the prompt groups of "
@@ -252,11 +276,6 @@ def _cluster_gpus(cfg: DictConfig) -> int | None:
     """GPUs Ray will have: ray_kwargs.ray_init.num_gpus when set (CPU logical GPUs), else None."""
     value = OmegaConf.select(cfg, "ray_kwargs.ray_init.num_gpus", default=None)
     return None if value is None else int(value)
-
-
-def _agent_section(cfg: DictConfig, spec: AgentSpec, section: str):
-    merged = OmegaConf.merge(cfg.actor_rollout_ref[section], spec.overrides.get(section, {}))
-    return merged
 
 
 def agent_verl_config(cfg: DictConfig, spec: AgentSpec) -> DictConfig:

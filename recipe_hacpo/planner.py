@@ -181,11 +181,12 @@ class AgentPlan:
 
 
 def plan_agent(cfg, spec, gpu_memory: int, shape: ModelShape | None) -> AgentPlan:
-    """The per-GPU figures of one agent alone (pool interactions come in `plan`)."""
-    from recipe_hacpo.config import _agent_section as agent_section
+    """The per-GPU figures of one agent alone (pool interactions come in `plan`).
 
-    actor = agent_section(cfg, spec, "actor")
-    rollout = agent_section(cfg, spec, "rollout")
+    `spec` is a `config.AgentSpec`; only its attributes are used, so this module imports
+    nothing from config (config.validate calls the planner)."""
+    actor = spec.section(cfg, "actor")
+    rollout = spec.section(cfg, "rollout")
     if spec.uses_shared_pool:
         gpus, nodes = int(cfg.trainer.n_gpus_per_node) * int(cfg.trainer.nnodes), int(cfg.trainer.nnodes)
     else:
@@ -215,7 +216,7 @@ def plan_agent(cfg, spec, gpu_memory: int, shape: ModelShape | None) -> AgentPla
     plan.fsdp_weights = FP32_WEIGHT_BYTES * p // world
     plan.fsdp_grads = FP32_GRAD_BYTES * p // world
     plan.fsdp_adam = ADAM_BYTES * p // world
-    ref = agent_section(cfg, spec, "ref")
+    ref = spec.section(cfg, "ref")
     uses_ref = bool(actor.get("use_kl_loss", False)) or bool(cfg.algorithm.get("use_kl_in_reward", False))
     if uses_ref and not bool((ref.get("fsdp_config") or {}).get("param_offload", False)):
         plan.ref_weights = BF16_BYTES * p // world

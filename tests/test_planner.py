@@ -247,3 +247,13 @@ def test_parameter_count_matches_transformers_own_model(name):
     actual = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
     # only Qwen3's per-head q/k norms (2 · head_dim per layer) are left out
     assert abs(_shape(name).num_params() - actual) / actual < 1e-5
+
+
+def test_planner_imports_nothing_from_config():
+    """config.validate calls the planner, so the dependency runs config -> planner only."""
+    import ast
+
+    tree = ast.parse((REPO / "recipe_hacpo" / "planner.py").read_text())
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    assert not any(m and m.startswith("recipe_hacpo") for m in imported), imported
