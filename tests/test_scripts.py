@@ -18,7 +18,8 @@ SLURM = REPO / "run_scripts" / "slurm" / "hacpo.slurm"
 SCRIPTS = sorted(REPO.glob("run_scripts/**/*.sh")) + sorted(REPO.glob("run_scripts/**/*.slurm"))
 PAIR_SCRIPTS = sorted(REPO.glob("run_scripts/pair_*.sh"))
 PAIR = "qwen3-1p7b-base_qwen3-4b-base"
-ENV_LOGGED = ("RAY_ADDRESS", "PLACEMENT", "PRESET", "HACPO_MODEL_A", "HACPO_DATA_DIR", "HF_HUB_OFFLINE")
+ENV_LOGGED = ("RAY_ADDRESS", "PLACEMENT", "PRESET", "HACPO_MODEL_A", "HACPO_DATA_DIR", "HF_HUB_OFFLINE", "RAY_AUTH_MODE",
+              "RAY_AUTH_TOKEN", "ROCR_VISIBLE_DEVICES")
 
 # Each stand-in appends one line: its name and argv joined by \x1f, then \x1e and the
 # environment variables of ENV_LOGGED joined by \x1f.
@@ -38,11 +39,20 @@ line=$(
     printf '\x1f%s' "$@"
     printf '\x1e'
     printf '%s\x1f' "${RAY_ADDRESS:-}" "${PLACEMENT:-}" "${PRESET:-}" "${HACPO_MODEL_A:-}" "${HACPO_DATA_DIR:-}" \
-        "${HF_HUB_OFFLINE:-}"
+        "${HF_HUB_OFFLINE:-}" "${RAY_AUTH_MODE:-}" "${RAY_AUTH_TOKEN:-}" "${ROCR_VISIBLE_DEVICES:-}"
 )
 printf '%s\n' "$line" >>"$STANDIN_LOG"
 case $name in
     scontrol) [[ $1 == show && $2 == hostnames ]] && tr ' ' '\n' <<<"$STANDIN_HOSTS" ;;
+    # a Ray step runs until the batch script's clean-up sends SIGUSR1 to its srun
+    srun)
+        if [[ " $* " == *" start "* ]]; then
+            sleep 30 &
+            sleeper=$!
+            trap 'kill "$sleeper"; printf "srun-stopped\x1f%s\x1e\n" "$*" >>"$STANDIN_LOG"; exit 0' USR1
+            wait "$sleeper"
+        fi
+        ;;
 esac
 exit 0
 """
@@ -65,7 +75,7 @@ def _shellcheck() -> str:
 
 def test_scripts_exist():
     names = {p.name for p in SCRIPTS}
-    assert "hacpo.slurm" in names and len(PAIR_SCRIPTS) == 6
+    assert "hacpo.slurm" in names and len(PAIR_SCRIPTS) == 8
     presets = {p.stem for p in (REPO / "configs").glob("pair_*.yaml")}
     for script in PAIR_SCRIPTS:
         assert script.stem in presets, f"{script.name} has no configs/{script.stem}.yaml"
@@ -207,40 +217,82 @@ def test_slurm_two_nodes_starts_head_worker_and_trainer(standins):
     assert trainer[-1] == "trainer.total_training_steps=3"
     assert env["RAY_ADDRESS"] == "10.0.0.1:6379" and env["PLACEMENT"] == "preset"
 
-    # order: head and worker started, then the wait for every GPU, then the trainer, then
-    # `ray stop` on every node from the exit trap
+    # order: head and worker started, then the wait for every GPU, then the trainer, then the
+    # clean-up's SIGTERM to every Ray step's srun
     index = [argv for argv, _ in calls].index
-    stop = calls[-1][0]
-    assert stop[0] == "srun" and "--overlap" in stop and stop[-3:] == ["ray", "stop", "--force"]
-    assert _opt(stop, "--nodes") == "2" and _opt(stop, "--ntasks-per-node") == "1"
-    assert max(index(head), index(worker)) < index(wait) < index(trainer) == len(calls) - 2
-    assert len(calls) == 6  # scontrol, head, worker, wait, trainer, ray stop
+    stopped = [argv for argv, _ in calls if argv[0] == "srun-stopped"]
+    assert len(stopped) == 2 and all(index(a) > index(trainer) for a in stopped)
+    assert max(index(head), index(worker)) < index(wait) < index(trainer)
+    assert len(calls) == 7  # scontrol, head, worker, wait, trainer, two stopped steps
+    assert "hacpo: Ray stopped on every node" in proc.stdout and "trainer exit status 0" in proc.stdout
+    # each Ray step runs through ray_node.sh, its output in a file of the job's log dir
+    for step, node in ((head, "gpu01"), (worker, "gpu02")):
+        runner = step[step.index("ray") - 2:step.index("ray")]
+        assert runner[0].endswith("run_scripts/slurm/ray_node.sh") and runner[1].endswith(f"slurm-4242/ray-{node}.log")
+    # one authentication mode and one token for every process of the job
+    ray_and_trainer = [env for argv, env in calls if argv[0] in ("srun", "python")]
+    assert {env["RAY_AUTH_MODE"] for env in ray_and_trainer} == {"token"}
+    tokens = {env["RAY_AUTH_TOKEN"] for env in ray_and_trainer}
+    assert len(tokens) == 1 and len(tokens.pop()) == 64
+    # each half of the split gets its own Ray node resource, and each agent asks for its half's
+    assert _opt(head, "--resources") == '{"hacpo_split_0": 1}' and _opt(worker, "--resources") == '{"hacpo_split_1": 1}'
+    assert "++agents.0.node_resource=hacpo_split_0" in trainer and "++agents.1.node_resource=hacpo_split_1" in trainer
+    # the trainer joins with the cluster's resources, not the preset's
+    assert "++ray_kwargs.ray_init.num_cpus=null" in trainer and "++ray_kwargs.ray_init.num_gpus=null" in trainer
     # hub ids: nothing says the models are local, so the hub setting is left alone
     assert env["HF_HUB_OFFLINE"] == ""
+
+
+def _trainer(calls):
+    [(argv, env)] = [(argv, env) for argv, env in calls if argv[0] == "python" and "wait_for_ray.py" not in argv[1]]
+    return argv, env
 
 
 def test_slurm_one_node_and_shared_placement(standins):
     proc, calls = standins(SLURM, **_slurm_env(["gpu07"]), PAIR=PAIR)
     assert proc.returncode == 0, proc.stderr
     starts = [argv for argv, _ in calls if argv[0] == "srun" and "start" in argv]
-    assert len(starts) == 1 and "--head" in starts[0]
-    trainer = calls[-2][0]
+    assert len(starts) == 1 and "--head" in starts[0] and _opt(starts[0], "--resources") is None
+    trainer, _ = _trainer(calls)
     assert "trainer.nnodes=1" in trainer and "agents.0.n_gpus_per_node=4" in trainer and "agents.1.n_gpus_per_node=4" in trainer
+    assert not any("node_resource" in a for a in trainer)
 
     proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02", "gpu03"], gpus=4), PAIR=PAIR, PLACEMENT="shared")
     assert proc.returncode == 0, proc.stderr
     assert len([a for a, _ in calls if a[0] == "srun" and "start" in a and "--head" not in a]) == 2
-    trainer, env = calls[-2]
+    trainer, env = _trainer(calls)
     assert "trainer.nnodes=3" in trainer and "trainer.n_gpus_per_node=4" in trainer
     # the pair script turns PLACEMENT=shared into the shared-pool overrides
     assert env["PLACEMENT"] == "shared" and "agents.0.n_gpus_per_node=0" in trainer
     assert not any(a.startswith("agents.0.nnodes") for a in trainer)
 
 
+def test_slurm_preset_without_pair_runs_the_trainer_itself(standins):
+    proc, calls = standins(SLURM, ["trainer.total_training_steps=2"], **_slurm_env(["gpu01", "gpu02"], gpus=1),
+                           PRESET="hacpo_cpu_demo", RAY_AUTH_MODE="disabled", ROCR_VISIBLE_DEVICES="0")
+    assert proc.returncode == 0, proc.stderr
+    trainer, env = _trainer(calls)
+    assert trainer[1:5] == ["-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo"]
+    assert "agents.0.n_gpus_per_node=1" in trainer and "++agents.1.node_resource=hacpo_split_1" in trainer
+    assert "++ray_kwargs.ray_init.num_gpus=null" in trainer and trainer[-1] == "trainer.total_training_steps=2"
+    assert any(a.startswith("hydra.run.dir=") and a.endswith("slurm-4242/hydra") for a in trainer)
+    # the mode asked for is the one every process gets; no token in disabled mode
+    everyone = [env for argv, env in calls if argv[0] in ("srun", "python")]
+    assert {e["RAY_AUTH_MODE"] for e in everyone} == {"disabled"} and {e["RAY_AUTH_TOKEN"] for e in everyone} == {""}
+    # Slurm's AMD variable beside CUDA_VISIBLE_DEVICES stops verl's workers: cleared on an NVIDIA cluster
+    assert {e["ROCR_VISIBLE_DEVICES"] for e in everyone} == {""}
+
+    proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02"]), PRESET="hacpo_cpu_demo", PLACEMENT="shared")
+    assert proc.returncode == 2 and "PLACEMENT=shared needs PAIR" in proc.stderr
+    assert not any(argv[0] == "srun" for argv, _ in calls)
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [
-        ({}, "PAIR is not set; one of: "),
+        ({}, "neither PAIR nor PRESET is set; PAIR is one of: "),
+        ({"PAIR": PAIR, "RAY_AUTH_MODE": "tls"}, "RAY_AUTH_MODE=tls: expected token or disabled"),
+        ({"PAIR": PAIR, "GPU_VENDOR": "intel"}, "GPU_VENDOR=intel: expected nvidia or amd"),
         ({"PAIR": "gpt-9"}, "PAIR=gpt-9: no run_scripts/pair_gpt-9.sh"),
         ({"PAIR": PAIR, "PRESET": "pair_nope"}, "no configs/pair_nope.yaml"),
         ({"PAIR": PAIR, "STANDIN_HOSTS": "gpu01 gpu02 gpu03"}, "PLACEMENT=split needs an even number of nodes"),
@@ -300,13 +352,13 @@ def test_slurm_sets_hf_hub_offline_for_local_models(standins, tmp_path):
     assert len(ray_and_trainer) >= 3 and all(env["HF_HUB_OFFLINE"] == "1" for env in ray_and_trainer)
     # a value the user set is kept; one model on the hub leaves it unset
     proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02"]), **local, HF_HUB_OFFLINE="0", PAIR=PAIR)
-    assert calls[-2][1]["HF_HUB_OFFLINE"] == "0"
+    assert _trainer(calls)[1]["HF_HUB_OFFLINE"] == "0"
     proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02"]), HACPO_MODEL_A=str(tmp_path / "a"),
                            HACPO_MODEL_B="Qwen/Qwen3-4B-Base", PAIR=PAIR)
-    assert calls[-2][1]["HF_HUB_OFFLINE"] == ""
+    assert _trainer(calls)[1]["HF_HUB_OFFLINE"] == ""
 
 
-def test_ray_stop_runs_on_exit_even_when_the_trainer_fails(standins, tmp_path):
+def test_ray_steps_are_stopped_on_exit_even_when_the_trainer_fails(standins, tmp_path):
     # a `python` that logs like the other stand-ins, then fails for the trainer
     failing = tmp_path / "fail" / "python"
     failing.parent.mkdir()
@@ -315,8 +367,44 @@ def test_ray_stop_runs_on_exit_even_when_the_trainer_fails(standins, tmp_path):
     path = f"{failing.parent}:{tmp_path / 'bin'}:{os.environ['PATH']}"
     proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02"]), PAIR=PAIR, PATH=path)
     assert proc.returncode == 3, proc.stderr
-    assert "recipe_hacpo.main" in calls[-2][0]
-    assert calls[-1][0][0] == "srun" and calls[-1][0][-3:] == ["ray", "stop", "--force"]
+    names = [argv[0] for argv, _ in calls]
+    assert names.index("srun-stopped") > [i for i, (a, _) in enumerate(calls) if "recipe_hacpo.main" in a][0]
+    assert names.count("srun-stopped") == 2
+    assert "stopping Ray on 2 node(s) (trainer exit status 3)" in proc.stdout
+
+
+def _ray_node(tmp_path, command: str, **env):
+    log = tmp_path / "logs" / "ray-n1.log"
+    proc = subprocess.Popen(
+        ["bash", str(SLURM.parent / "ray_node.sh"), str(log), "bash", "-c", command],
+        env={**os.environ, "SLURMD_NODENAME": "n1", **env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    return proc, log
+
+
+@pytest.mark.parametrize("signame", ["SIGUSR1", "SIGTERM"])
+def test_ray_node_keeps_rays_output_in_its_file_and_ends_cleanly_on_a_stop_signal(tmp_path, signame):
+    import signal
+    import time
+
+    # Ray ignores SIGUSR1 (only ray_node.sh acts on it) and stops on the SIGTERM it forwards
+    command = ('trap "echo ray: SIGTERM; exit 1" TERM; echo "raylet: started $CUDA_VISIBLE_DEVICES '
+               '${ROCR_VISIBLE_DEVICES-none}"; kill -USR1 $$; sleep 30 & wait')
+    proc, log = _ray_node(tmp_path, command, CUDA_VISIBLE_DEVICES="0,1", ROCR_VISIBLE_DEVICES="0,1", GPU_VENDOR="nvidia")
+    deadline = time.monotonic() + 10
+    while not (log.exists() and log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    proc.send_signal(getattr(signal, signame))
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 0 and out == "hacpo: ray on n1 stopped\n" and err == ""
+    assert log.read_text() == "raylet: started 0,1 none\nray: SIGTERM\n"
+
+    # Ray ending on its own keeps its status and shows the end of its log
+    proc, log = _ray_node(tmp_path, "echo 'InvalidAuthToken'; exit 3")
+    out, err = proc.communicate(timeout=10)
+    assert proc.returncode == 3 and out == ""
+    assert "error: ray on n1 exited with status 3" in err and "InvalidAuthToken" in err
 
 
 # bash < 4.4 treats "${arr[@]}" of an empty array as unbound under `set -u`
@@ -353,6 +441,19 @@ def _wait_module():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def test_probe_failure_names_the_reason_ray_logged():
+    wait = _wait_module()
+    native = "[2026-12-01 20:00:52,023 W 187 187] gcs_client.cc:210: Failed to get cluster ID from GCS server: " \
+             "Unauthenticated: RPC error: InvalidAuthToken: Authentication token is missing or incorrect"
+    stderr = f"{native}\n{native}\nTraceback (most recent call last):\n  ...\n" \
+             "ConnectionError: Failed to connect to Ray cluster at 10.0.0.1:6379\n"
+    reason = wait.failure_reason(stderr)
+    assert reason.startswith("ConnectionError: Failed to connect to Ray cluster at 10.0.0.1:6379 (Failed to get cluster ID")
+    assert reason.endswith("InvalidAuthToken: Authentication token is missing or incorrect)")
+    assert wait.failure_reason("ValueError: bad address\n") == "ValueError: bad address"
+    assert wait.failure_reason("") == "no output"
 
 
 def test_wait_for_ray_polls_until_every_gpu_joined():

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -18,6 +19,9 @@ from typing import Callable
 
 
 _reported: set[str] = set()
+
+# a line of Ray's C++ log: "[2026-01-01 10:00:00,000 W 187 187] gcs_client.cc:210: <what happened>"
+_NATIVE_LOG = re.compile(r"^\[[^\]]* [WEF] [^\]]*\] \S+:\d+: (.*)$")
 
 
 def _report(message: str) -> None:
@@ -57,10 +61,24 @@ def probe_cluster(address: str, timeout_s: float = 60.0) -> tuple[int, int]:
         return 0, 0
     fields = proc.stdout.split()
     if proc.returncode != 0 or len(fields) < 2:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        _report(f"{address}: probe failed: {tail}")
+        _report(f"{address}: probe failed: {failure_reason(proc.stderr)}")
         return 0, 0
     return int(fields[-2]), int(fields[-1])
+
+
+def failure_reason(stderr: str) -> str:
+    """The probe's last line, with the reason Ray's C++ client logged when that line lacks it.
+
+    A refused connection (a wrong or missing auth token, a version mismatch) is logged by the
+    GCS client on every retry and then raised as a bare "ConnectionError: Failed to connect".
+    """
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    if not lines:
+        return "no output"
+    native = [m.group(1) for m in map(_NATIVE_LOG.match, lines) if m]
+    if native and native[-1] not in lines[-1]:
+        return f"{lines[-1]} ({native[-1]})"
+    return lines[-1]
 
 
 def _probe_here(address: str) -> None:
