@@ -30,6 +30,8 @@ class AgentSpec:
     n_gpus_per_node: int
     nnodes: int
     overrides: dict = field(default_factory=dict)
+    # a Ray node resource: the agent's pool goes only to nodes that offer it (recipe_hacpo/placement.py)
+    node_resource: str | None = None
 
     @property
     def uses_shared_pool(self) -> bool:
@@ -67,6 +69,7 @@ def agent_specs(cfg: DictConfig) -> list[AgentSpec]:
                 rollout_n=int(every_n if every_n is not None else a.get("rollout_n", 8)),
                 n_gpus_per_node=int(a.get("n_gpus_per_node", 0)),
                 nnodes=int(a.get("nnodes", 1)),
+                node_resource=str(a.node_resource) if a.get("node_resource") not in (None, "") else None,
                 overrides=OmegaConf.to_container(overrides, resolve=True) if OmegaConf.is_config(overrides) else dict(overrides),
             )
         )
@@ -92,6 +95,13 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
             raise ConfigError(
                 f"agents[{s.index}] ({s.name}): n_gpus_per_node={s.n_gpus_per_node}, nnodes={s.nnodes}: "
                 "need n_gpus_per_node >= 0 (0 = shared pool) and nnodes >= 1"
+            )
+        if s.node_resource is not None and (s.uses_shared_pool or not _is_custom_resource(s.node_resource)):
+            raise ConfigError(
+                f"agents[{s.index}].node_resource={s.node_resource!r} ({s.name}): "
+                + ("needs the agent's own pool (n_gpus_per_node > 0); the shared pool spans every node"
+                   if s.uses_shared_pool else
+                   "must be a custom Ray resource name (letters, digits, '_', '-', '.'; not CPU, GPU, memory)")
             )
         if check_paths and not _model_path_exists(s.model_path):
             raise ConfigError(
@@ -133,6 +143,12 @@ def _validate_vllm_on_cpu(cfg: DictConfig, specs: list[AgentSpec]) -> None:
         problem = vllm_cpu.head_size_problem(s.model_path)
         if problem:
             raise ConfigError(f"agents[{s.index}].model_path={s.model_path!r} ({s.name}): {problem}")
+
+
+def _is_custom_resource(name: str) -> bool:
+    """A name `ray start --resources` accepts for a resource of the user's own."""
+    builtin = {"CPU", "GPU", "NPU", "TPU", "memory", "object_store_memory"}
+    return name not in builtin and not name.startswith("node:") and name.replace("-", "_").replace(".", "_").isidentifier()
 
 
 def normalize_model_path(path: str) -> str:

@@ -5,6 +5,11 @@ agents with 0 share one pool of `trainer.n_gpus_per_node × trainer.nnodes` GPUs
 turns on it. A pool is one Ray placement group per node, one bundle per GPU, each bundle
 {GPU: 1, CPU: colocate} where `colocate` is how many processes may share that GPU.
 
+An agent with `node_resource: R` (its own pool only) is pinned to the Ray nodes that offer the
+custom resource R (`ray start --resources '{"R": 1}'`): every bundle of its pool also asks for
+`NODE_RESOURCE_PER_BUNDLE` of R, so where it lands does not depend on which nodes happen to
+have free GPUs. run_scripts/slurm/hacpo.slurm gives each half of a split allocation its own R.
+
 Each agent's worker group takes its torch.distributed rendezvous port (verl's `MASTER_PORT`)
 from its own slice of `trainer.master_port_range` (`master_port_ranges`).
 
@@ -31,6 +36,9 @@ SHARED_POOL_SPARE = 1
 CPU_COLOCATE = 1
 # seconds a placement group may take to be placed (trainer.placement_timeout_s)
 DEFAULT_PLACEMENT_TIMEOUT_S = 600.0
+# how much of its node's custom resource (agents[i].node_resource) each bundle takes: a node
+# started with {R: 1} holds up to 10000 such bundles, Ray's finest resource granularity
+NODE_RESOURCE_PER_BUNDLE = 1e-4
 # the narrowest slice an agent may get: verl skips the ports in use and fails past the slice
 MIN_PORTS_PER_AGENT = 16
 
@@ -79,6 +87,7 @@ class PoolRequest:
     agents: tuple[str, ...]
     process_on_nodes: tuple[int, ...]  # GPUs per node
     cpus_per_bundle: int
+    node_resource: str | None = None  # the Ray node resource its nodes must offer
 
     @property
     def gpus(self) -> int:
@@ -97,6 +106,7 @@ def pool_requests(config, specs, device: str) -> list[PoolRequest]:
             agents=(s.name,),
             process_on_nodes=(s.n_gpus_per_node,) * s.nnodes,
             cpus_per_bundle=CPU_COLOCATE if device == "cpu" else OWN_POOL_COLOCATE,
+            node_resource=s.node_resource,
         )
         for s in specs
         if not s.uses_shared_pool
@@ -146,12 +156,36 @@ def check_cluster(requests: list[PoolRequest], cluster: dict, device: str, nodes
         used_gpu += r.gpus
         used_cpu += r.cpus
         if nodes is not None:
-            biggest = max((float(n.get(key, 0)) for n in nodes), default=0.0)
-            if max(r.process_on_nodes) > biggest:
-                raise PlacementError(
-                    f"{who}: needs {max(r.process_on_nodes)} {key} on one node but the largest node has {biggest:g}; "
-                    "lower n_gpus_per_node and raise nnodes"
-                )
+            _check_nodes(r, who, key, nodes)
+
+
+def _check_nodes(r: PoolRequest, who: str, key: str, nodes: list[dict]) -> None:
+    """One node per pool node, with enough GPUs (and the pool's node resource, if it has one)."""
+    if r.node_resource is not None:
+        eligible = [n for n in nodes if float(n.get(r.node_resource, 0)) > 0]
+        if not eligible:
+            custom = sorted({k for n in nodes for k in n if k not in _RAY_BUILTIN and not k.startswith("node:")})
+            raise PlacementError(
+                f"{who}: node_resource={r.node_resource}: no Ray node offers it (custom resources: "
+                f"{', '.join(custom) or 'none'}); start its nodes with ray start --resources '{{\"{r.node_resource}\": 1}}'"
+            )
+        if len(eligible) < len(r.process_on_nodes):
+            raise PlacementError(
+                f"{who}: needs {len(r.process_on_nodes)} nodes with node_resource={r.node_resource} but "
+                f"{len(eligible)} Ray node(s) offer it; lower nnodes or give more nodes the resource"
+            )
+        nodes = eligible
+    biggest = max((float(n.get(key, 0)) for n in nodes), default=0.0)
+    if max(r.process_on_nodes) > biggest:
+        where = f"node with {r.node_resource}" if r.node_resource is not None else "node"
+        raise PlacementError(
+            f"{who}: needs {max(r.process_on_nodes)} {key} on one node but the largest {where} has {biggest:g}; "
+            "lower n_gpus_per_node and raise nnodes"
+        )
+
+
+# resources every Ray node reports on its own
+_RAY_BUILTIN = frozenset({"CPU", "GPU", "NPU", "memory", "object_store_memory"})
 
 
 def check_ray_cluster(config, specs) -> None:
@@ -174,6 +208,7 @@ def make_pool(request: PoolRequest, config, device: str):
         name_prefix=f"hacpo_{request.name}",
         timeout_s=float(config.trainer.get("placement_timeout_s", DEFAULT_PLACEMENT_TIMEOUT_S)),
         owner=request.name if request.name != "shared" else f"shared pool of {', '.join(request.agents)}",
+        extra_resources={request.node_resource: NODE_RESOURCE_PER_BUNDLE} if request.node_resource else None,
     )
 
 

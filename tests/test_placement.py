@@ -3,11 +3,17 @@ runs before any pool is built, and a placement that gives up instead of waiting 
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
+
 import pytest
 from hydra import compose, initialize_config_module
 
 from recipe_hacpo import placement
 from recipe_hacpo.config import agent_specs
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _compose(name: str, overrides=()):
@@ -64,6 +70,43 @@ def test_shared_pool_shortfall_names_its_agents():
         placement.check_cluster(reqs, {"GPU": 4, "CPU": 64}, "cuda")
 
 
+def test_node_resource_pins_a_pool_to_the_nodes_that_offer_it():
+    reqs = _requests(["++agents.0.node_resource=rack_a", "++agents.1.node_resource=rack_b"])
+    assert [r.node_resource for r in reqs] == ["rack_a", "rack_b"]
+    a = {"GPU": 4, "CPU": 32, "rack_a": 1}
+    b = {"GPU": 4, "CPU": 32, "rack_b": 1}
+    placement.check_cluster(reqs, {"GPU": 8, "CPU": 64}, "cuda", [a, b])
+    # an 8-GPU node without rack_b does not help the agent that asks for rack_b
+    with pytest.raises(placement.PlacementError) as err:
+        placement.check_cluster(reqs, {"GPU": 12, "CPU": 96}, "cuda", [a, {"GPU": 2, "CPU": 32, "rack_b": 1}, {"GPU": 8, "CPU": 32}])
+    assert str(err.value) == ("agent qwen3_8b_base: needs 4 GPU on one node but the largest node with rack_b has 2; "
+                              "lower n_gpus_per_node and raise nnodes")
+    with pytest.raises(placement.PlacementError, match=r"^agent qwen3_8b_base: node_resource=rack_b: no Ray node offers it "
+                       r"\(custom resources: rack_a\); start its nodes with ray start --resources"):
+        placement.check_cluster(reqs, {"GPU": 8, "CPU": 64}, "cuda", [a, {"GPU": 4, "CPU": 32, "node:10.0.0.2": 1}])
+    two = _requests(["++agents.0.node_resource=rack_a", "agents.0.nnodes=2", "agents.0.n_gpus_per_node=2"])
+    with pytest.raises(placement.PlacementError, match=r"^agent qwen3_4b_base: needs 2 nodes with node_resource=rack_a but 1"):
+        placement.check_cluster(two, {"GPU": 8, "CPU": 64}, "cuda", [a, b])
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["++agents.0.node_resource=GPU"], r"^agents\[0\]\.node_resource='GPU' \(qwen3_4b_base\): must be a custom Ray resource"),
+        (["++agents.1.node_resource=a b"], r"^agents\[1\]\.node_resource='a b' \(qwen3_8b_base\): must be a custom Ray resource"),
+        (["++agents.0.node_resource=rack_a", "agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"],
+         r"^agents\[0\]\.node_resource='rack_a' \(qwen3_4b_base\): needs the agent's own pool"),
+    ],
+)
+def test_node_resource_is_validated_with_one_line(overrides, message):
+    from recipe_hacpo.config import ConfigError, validate
+
+    cfg = _compose("pair_qwen3-4b-base_qwen3-8b-base", overrides)
+    with pytest.raises(ConfigError, match=message) as err:
+        validate(cfg, check_paths=False)
+    assert "\n" not in str(err.value)
+
+
 def test_placement_gives_up_after_the_timeout(monkeypatch):
     """TimedResourcePool with Ray's placement calls replaced: an unplaceable group times out."""
     import importlib
@@ -107,6 +150,41 @@ def test_placement_gives_up_after_the_timeout(monkeypatch):
     assert created[0].name.startswith("hacpo_qwen3_4b_base")
 
 
+def test_node_resource_is_in_every_bundle(monkeypatch):
+    import importlib
+
+    import ray
+
+    pg_mod = importlib.import_module("ray.util.placement_group")
+    from recipe_hacpo.workers import verl_touchpoints
+
+    verl_touchpoints._BUILT.pop("TimedResourcePool", None)
+    bundles = []
+
+    class FakePG:
+        def __init__(self, bundles, strategy, name, lifetime):
+            self.bundles = bundles
+
+        def ready(self):
+            return self
+
+    monkeypatch.setattr(pg_mod, "placement_group", lambda **kw: bundles.extend(kw["bundles"]) or FakePG(**kw))
+    monkeypatch.setattr(ray, "wait", lambda refs, num_returns, timeout: (refs, []))
+    import verl.single_controller.ray.base as verl_ray
+
+    # read when the pool class is built, below: the fake groups have no node to sort by
+    monkeypatch.setattr(verl_ray, "sort_placement_group_by_node_ip", lambda pgs: pgs)
+    cfg = _compose("pair_qwen3-4b-base_qwen3-8b-base", ["++agents.0.node_resource=rack_a"])
+    spec = agent_specs(cfg)[0]
+    try:
+        pool = placement.make_pool(placement.request_for(cfg, [spec], spec.name, "cuda"), cfg, "cuda")
+        pool.get_placement_groups()
+    finally:
+        verl_touchpoints._BUILT.pop("TimedResourcePool", None)
+    assert len(bundles) == 4
+    assert all(b == {"CPU": placement.OWN_POOL_COLOCATE, "GPU": 1, "rack_a": placement.NODE_RESOURCE_PER_BUNDLE} for b in bundles)
+
+
 def test_master_port_ranges_are_disjoint_slices_below_the_ephemeral_range():
     import random
 
@@ -135,3 +213,97 @@ def test_master_port_ranges_reject_unusable_ranges():
         with pytest.raises(placement.ConfigError, match=message) as err:
             placement.master_port_ranges(bad, ["a", "b"])
         assert str(err.value).startswith("trainer.master_port_range=")
+
+
+# --------------------------------------------------------------------------- two Ray nodes, one machine
+
+PLACEMENT_PROBE = r"""
+import json, os, sys, time, ray
+ray.init(address=sys.argv[1], logging_level="ERROR", log_to_driver=False)
+nodes = {n["NodeID"]: sorted(k for k in n["Resources"] if k.startswith("node_")) for n in ray.nodes() if n["Alive"]}
+seen = {}
+while True:
+    for pg in ray.util.placement_group_table().values():
+        if pg["state"] == "CREATED" and pg["name"].startswith("hacpo_") and pg["name"] not in seen:
+            seen[pg["name"]] = sorted({r for i in pg["bundles_to_node_id"].values() for r in nodes.get(i, ["?"])})
+            with open(sys.argv[2] + ".tmp", "w") as f:
+                json.dump(seen, f)
+            os.replace(sys.argv[2] + ".tmp", sys.argv[2])
+    time.sleep(0.5)
+"""
+
+
+@pytest.mark.e2e
+@pytest.mark.ray
+def test_two_ray_nodes_each_agent_on_the_node_of_its_node_resource(tmp_path, tiny_agent_paths):
+    """Two Ray nodes on this machine (`ray start --head` + `ray start --address`, 2 logical GPUs
+    each, custom resources node_a / node_b), in a PID namespace of the test's own, so that its
+    end ends them and no other Ray on the machine is touched. Either node could hold both
+    agents' GPUs: `agents.N.node_resource` alone puts each on its node. Then the placement
+    check refuses an agent that asks for more GPUs on one node than any node has, in one line,
+    before any worker starts."""
+    import json
+    import socket
+    import subprocess
+    import sys
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    address = f"127.0.0.1:{port}"
+    agents = ",".join(
+        f"{{name:{name},model_path:'{tiny_agent_paths[kind]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,"
+        f"node_resource:{res},actor_rollout_ref:{{}}}}"
+        for kind, name, res in (("qwen2-char-small", "qwen_char", "node_a"), ("llama-pair-medium", "llama_pair", "node_b"))
+    )
+    out = tmp_path / "run"
+    common = [
+        "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", f"ray_kwargs.ray_init.address={address}",
+        "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null", "trainer.nnodes=2",
+        "trainer.n_gpus_per_node=2", "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "trainer.progress_bar=false", "trainer.logger=[console,file]",
+        f"trainer.default_local_dir={out}/ckpt", f"hydra.run.dir={out}/hydra",
+    ]
+    py = sys.executable
+    ray = str(Path(py).with_name("ray"))
+    probe = tmp_path / "probe.py"
+    probe.write_text(PLACEMENT_PROBE)
+    q = subprocess.list2cmdline
+    script = "\n".join([
+        "set -u",
+        f"{ray} start --head --node-ip-address=127.0.0.1 --port={port} --num-cpus=4 --num-gpus=2 "
+        """--resources='{"node_a": 1}' --include-dashboard=false --disable-usage-stats >ray-head.log 2>&1 || exit 10""",
+        f"{ray} start --address={address} --node-ip-address=127.0.0.1 --num-cpus=4 --num-gpus=2 "
+        """--resources='{"node_b": 1}' --disable-usage-stats >ray-worker.log 2>&1 || exit 11""",
+        f"{py} {probe} {address} placement.json >probe.log 2>&1 &",
+        f"{q([py, *common, f'agents=[{agents}]'])} >train.log 2>&1; echo $? >train.rc",
+        f"{q([py, *common, f'agents=[{agents}]', 'agents.0.n_gpus_per_node=3', '~agents.0.node_resource'])} "
+        ">toowide.log 2>&1; echo $? >toowide.rc",
+    ])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VERL_"))}
+    # one mode for the nodes and the trainer; a short temp dir keeps Ray's socket paths short
+    ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
+    env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp, VERL_FILE_LOGGER_PATH=str(out / "metrics.jsonl"),
+               HACPO_DATA_DIR=os.path.join(REPO, "data"))
+    try:
+        # the namespace's first process is this bash: when it exits, the kernel ends every Ray process in it
+        proc = subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "bash", "-c", script], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=900)
+    finally:
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    logs = {p.name: p.read_text()[-3000:] for p in tmp_path.glob("*.log")}
+    assert proc.returncode == 0, (proc.returncode, proc.stderr, logs)
+    assert (tmp_path / "train.rc").read_text().strip() == "0", logs["train.log"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    assert [r["step"] for r in records if "training/global_step" in r["data"]] == [1]
+    seen = json.loads((tmp_path / "placement.json").read_text())
+    pools = {a: {tuple(v) for k, v in seen.items() if k.startswith(f"hacpo_{a}verl_group")} for a in ("qwen_char", "llama_pair")}
+    assert pools == {"qwen_char": {("node_a",)}, "llama_pair": {("node_b",)}}, seen
+
+    # 3 GPUs fit the cluster's 4 in total but no node of 2: one line, before any worker
+    assert (tmp_path / "toowide.rc").read_text().strip() != "0"
+    wide = logs["toowide.log"]
+    line = "agent qwen_char: needs 3 GPU on one node but the largest node has 2; lower n_gpus_per_node and raise nnodes"
+    assert sum(line in row for row in wide.splitlines()) == 1, wide
+    assert "HacpoActorRolloutRefWorker" not in wide

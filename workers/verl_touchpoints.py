@@ -62,7 +62,8 @@ the other numbers stay as they are cited elsewhere.
    bundles {CPU: max_colocate_count, <ray_resource_name>: 1}, STRICT_PACK, names
    `{name_prefix}verl_group_{counts}:{i}`), reading the pool's `_store`, `max_colocate_count`,
    `use_gpu`, `accelerator_type`, `detached` and `pgs`, waits with a timeout, and sorts them
-   with verl's `sort_placement_group_by_node_ip`.
+   with verl's `sort_placement_group_by_node_ip`. Its own `extra_resources` (an agent's
+   `node_resource`) are added to every bundle.
 
 Couplings that live outside this module, because they are the subclass or the data they
 concern (each with a contract test in tests/test_verl_touchpoints.py):
@@ -223,10 +224,12 @@ def _timed_resource_pool_cls():
         returned sorted by node IP as verl stores them.
         """
 
-        def __init__(self, *args, timeout_s: float, owner: str, **kwargs):
+        def __init__(self, *args, timeout_s: float, owner: str, extra_resources: dict | None = None, **kwargs):
             super().__init__(*args, **kwargs)
             self.timeout_s = timeout_s
             self.owner = owner
+            # added to every bundle: the custom node resource that pins a pool to its nodes
+            self.extra_resources = dict(extra_resources or {})
 
         def get_placement_groups(self, strategy="STRICT_PACK", name=None, device_name="cuda"):
             if self.pgs is not None:
@@ -237,6 +240,7 @@ def _timed_resource_pool_cls():
                 bundle[get_platform().ray_resource_name()] = 1
                 if self.accelerator_type is not None:
                     bundle[self.accelerator_type] = 1e-4
+            bundle.update(self.extra_resources)
             pgs = [
                 placement_group(
                     bundles=[dict(bundle) for _ in range(count)], strategy=strategy, name=f"{prefix}{i}",
