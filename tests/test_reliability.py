@@ -294,7 +294,7 @@ def test_trainer_phases_stop_on_nonfinite_with_agent_name():
     for n, a in t.agents.items():
         a.old_log_prob = lambda batch, n=n: bad if n == "llama_pair" else torch.zeros(4, 5)
     with pytest.raises(FloatingPointError, match=r"agent 'llama_pair': non-finite old log-probs"):
-        t.old_log_probs(rollouts)
+        t.old_log_probs(rollouts, {})
 
     batches = {n: learner_batch() for n in NAMES}
     batches["qwen_char"].batch["advantages"][0, 0] = float("inf")

@@ -148,6 +148,10 @@ def _probe_stub(model_dir: str) -> dict:
 
     _install_vllm_stub()
     _stub_ray_runtime()
+    import vllm.platforms
+
+    # the stub stands for a GPU platform: the server's CPU-only settings stay off
+    vllm.platforms.current_platform = types.SimpleNamespace(is_cpu=lambda: False)
     import cloudpickle
     import ray
     from verl.workers.config import HFModelConfig
@@ -392,10 +396,11 @@ def stub_probe(tmp_path_factory) -> dict:
     return _run_probe("probe-stub", model_dir)
 
 
-def test_subclasses_override_only_the_naming_hooks(stub_probe):
+def test_subclasses_override_only_their_hooks(stub_probe):
     assert stub_probe["subclass"] == {"server": True, "replica": True, "adapter": True}
     assert stub_probe["own_methods"] == {
-        "server": ["__init__"],
+        # naming (__init__), per-row seeds (generate), CPU settings and reload (the other two)
+        "server": ["__init__", "_get_worker_extension_cls", "_init_config", "generate"],
         "replica": ["__init__", "_get_server_name_prefix"],
         "adapter": ["__init__", "_get_server_name_prefix"],
     }

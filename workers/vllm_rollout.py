@@ -31,6 +31,25 @@ overrides only those hooks:
 - `HacpoVLLMServerAdapter`: looks servers up under `vllm_{agent}_` and sends on the socket
   named with the same `{job}-{agent}` tag.
 
+Three more behaviours, not about names (touchpoint 17 in `verl_touchpoints.py`):
+
+- Per-row sampling seeds (GPU and CPU). Under `rollout.full_determinism` verl's server gives
+  every request the same seed (`replica_rank + rollout.seed`), so the G samples of a prompt
+  are identical, every group has zero reward variance and every group advantage is 0.
+  `HacpoVLLMHttpServer.generate` gives each request the seed the `hf` backend uses
+  (`seeded_sampling.request_seed`: rollout seed, weights version, verl's `det-<row>` request
+  id, prompt), unless the caller passed one: G distinct samples, and a resumed run draws what
+  the uninterrupted one drew.
+- CPU weight reload (CPU only). vLLM's CPU linear layers repack their weights for oneDNN after
+  loading and leave an empty `weight` parameter, so verl's `model.load_weights` fails on the
+  first sync. `HacpoVLLMWorkerExtension` (the vLLM worker extension this server names) loads
+  each sync through vLLM's layer-wise reload, which restores the layer, loads, and repacks.
+  CUDA keeps the parameters, and there verl's own path runs unchanged.
+- CPU engine settings (CPU only). vLLM refuses sleep mode on CPU, and its CPU generators
+  cannot resume a seeded request whose prefill was split into chunks; on CPU the server turns
+  sleep mode and cache freeing off, and chunked prefill off when requests are seeded. Every
+  engine would also bind its OpenMP threads to core 0: the binding defaults to `nobind` there.
+
 The agent is `rollout.custom.agent_name` (set per agent by
 `recipe_hacpo/config.py::agent_verl_config`). Without it every name is verl's own
 (`vllm_server_...`, `rl-colocate-zmq-{job}-...`), so a single-agent run is unchanged.
@@ -55,6 +74,7 @@ import re
 from typing import Any
 
 from recipe_hacpo.workers.rollout_naming import agent_name_of
+from recipe_hacpo.workers.seeded_sampling import request_seed
 
 BACKEND_NAME = "vllm"
 VERL_SERVER_PREFIX = "vllm_"
@@ -126,22 +146,70 @@ def _current_job_id() -> str:
 # verl subclasses, built on first use (they import vLLM)
 # ---------------------------------------------------------------------------------------
 
-_CLASS_NAMES = ("HacpoVLLMHttpServer", "HacpoVLLMReplica", "HacpoVLLMServerAdapter")
+_SERVER_CLASS_NAMES = ("HacpoVLLMHttpServer", "HacpoVLLMReplica", "HacpoVLLMServerAdapter")
+_EXTENSION_CLASS_NAMES = ("HacpoVLLMWorkerExtension",)
+WORKER_EXTENSION_FQN = f"{__name__}.HacpoVLLMWorkerExtension"
+# vLLM's CPU worker binds OpenMP threads to cores from this variable; its default gives every
+# engine core 0, so two agents' engines would share one core
+CPU_THREAD_BIND_ENV = "VLLM_CPU_OMP_THREADS_BIND"
 
 
-def _build_classes() -> dict[str, type]:
+def per_row_sampling(sampling_params: dict, config: Any, global_steps: int | None, request_id: str,
+                     prompt_ids: list[int]) -> dict:
+    """`sampling_params` with the request's own seed under `rollout.full_determinism`.
+
+    A seed the caller set is kept; without full determinism nothing is added (vLLM then draws
+    from its own unseeded generators, as verl intends).
+    """
+    if not config.full_determinism or sampling_params.get("seed") is not None:
+        return sampling_params
+    ids = [int(t) for t in prompt_ids]
+    return {**sampling_params, "seed": request_seed(config.seed, global_steps, request_id, ids)}
+
+
+def cpu_engine_settings(config: Any) -> dict[str, bool]:
+    """The rollout keys the server overrides on a CPU platform, with the values it sets."""
+    settings = {"enable_sleep_mode": False, "free_cache_engine": False}
+    if config.full_determinism:
+        settings["enable_chunked_prefill"] = False
+    return settings
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def _build_server_classes() -> dict[str, type]:
     import ray
     from verl.workers.rollout.vllm_rollout.vllm_async_server import vLLMHttpServer, vLLMReplica
     from verl.workers.rollout.vllm_rollout.vllm_rollout import ServerAdapter
 
     class HacpoVLLMHttpServer(vLLMHttpServer):
-        """verl's vLLM server actor; its vLLM workers receive weights on a per-agent socket."""
+        """verl's vLLM server actor: per-agent weight socket, per-row seeds, CPU settings."""
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             # verl set VERL_RAY_JOB_ID to the bare job id; vLLM's worker processes, spawned by
             # launch_server, inherit this process's environment and build the socket from it.
             os.environ[JOB_ID_ENV] = zmq_job_tag(_current_job_id(), self.config)
+            if _on_cpu():
+                os.environ.setdefault(CPU_THREAD_BIND_ENV, "nobind")
+
+        def _init_config(self, config):
+            config = super()._init_config(config)
+            if _on_cpu():
+                for key, value in cpu_engine_settings(config).items():
+                    setattr(config, key, value)
+            return config
+
+        def _get_worker_extension_cls(self) -> str:
+            return WORKER_EXTENSION_FQN
+
+        async def generate(self, prompt_ids, sampling_params, request_id, *args, **kwargs):
+            sampling_params = per_row_sampling(sampling_params, self.config, self.global_steps, request_id, prompt_ids)
+            return await super().generate(prompt_ids, sampling_params, request_id, *args, **kwargs)
 
     class HacpoVLLMReplica(vLLMReplica):
         """verl's vLLM replica with per-agent server actor names."""
@@ -171,16 +239,59 @@ def _build_classes() -> dict[str, type]:
         "HacpoVLLMReplica": HacpoVLLMReplica,
         "HacpoVLLMServerAdapter": HacpoVLLMServerAdapter,
     }
+    return _importable(classes)
+
+
+def _build_extension_classes() -> dict[str, type]:
+    # Built apart from the server classes: vLLM's worker process resolves the extension by
+    # name and needs none of verl's server modules.
+    import torch
+    from verl.workers.rollout.vllm_rollout.bucketed_weight_transfer import BucketedWeightReceiver
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+
+    class HacpoVLLMWorkerExtension(vLLMColocateWorkerExtension):
+        """verl's vLLM worker extension; on CPU each weight sync is a layer-wise reload."""
+
+        def update_weights_from_ipc(self, peft_config: dict = None, base_sync_done=False, use_shm: bool = False):
+            if peft_config or not _on_cpu():
+                return super().update_weights_from_ipc(peft_config, base_sync_done, use_shm)
+            from vllm.model_executor.model_loader.reload import (
+                finalize_layerwise_reload,
+                initialize_layerwise_reload,
+            )
+
+            if self.device is None:
+                self.device = torch.device("cpu")
+            models = list(self._iter_all_models_with_config())
+            for model, _ in models:
+                initialize_layerwise_reload(model)
+
+            def on_bucket_received(weights, is_last):
+                # a layer may span two buckets and the reload keeps a layer's tensors until the
+                # layer is complete, while the receiver reuses its bucket buffer: copy them out
+                weights = [(name, tensor.clone()) for name, tensor in weights]
+                self._update_weights(weights, peft_config=None, base_sync_done=base_sync_done)
+
+            receiver = BucketedWeightReceiver(zmq_handle=self._get_zmq_handle(), device=self.device, use_shm=use_shm)
+            receiver.receive_weights(on_bucket_received=on_bucket_received)
+            for model, model_config in models:
+                finalize_layerwise_reload(model, model_config)
+
+    return _importable({"HacpoVLLMWorkerExtension": HacpoVLLMWorkerExtension})
+
+
+def _importable(classes: dict[str, type]) -> dict[str, type]:
     for name, cls in classes.items():
-        # importable as recipe_hacpo.workers.vllm_rollout.<name>: Ray and cloudpickle find
-        # the class by reference, and `_ROLLOUT_REGISTRY` resolves it with getattr
+        # importable as recipe_hacpo.workers.vllm_rollout.<name>: Ray, cloudpickle and vLLM
+        # find the class by reference, and `_ROLLOUT_REGISTRY` resolves it with getattr
         cls.__module__ = __name__
         cls.__qualname__ = name
     return classes
 
 
 def __getattr__(name: str):
-    if name in _CLASS_NAMES:
-        globals().update(_build_classes())
-        return globals()[name]
+    for names, build in ((_SERVER_CLASS_NAMES, _build_server_classes), (_EXTENSION_CLASS_NAMES, _build_extension_classes)):
+        if name in names:
+            globals().update(build())
+            return globals()[name]
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
