@@ -2,6 +2,10 @@
 
 No GPU, no Ray, no download: the numbers come from the model's shape (layers, heads, KV
 heads, head dim, vocabulary, MLP width) and the config's placement, offload and vLLM keys.
+The shape is read from the model's config.json when the model is on disk (a local directory
+or a hub id in the Hugging Face cache); otherwise from the figures shipped in
+`recipe_hacpo/model_specs.json` (the public config.json of every preset's model), and the
+plan says which.
 `python -m recipe_hacpo.main ... trainer.plan_only=true` prints the plan; `config.validate`
 uses the same checks to reject a configuration that cannot fit before Ray starts.
 
@@ -11,8 +15,16 @@ Per GPU of an agent's pool (W GPUs, FSDP shards everything W ways; vLLM tensor p
   `model_dtype: fp32`; bf16 is only the compute copy), Adam moments 8·P/W. During an update
   fp32 gradients add 4·P/W: 16·P/W at the peak. `fsdp_config.param_offload` moves weights
   and gradients to host memory between phases, `optimizer_offload` the Adam moments.
+  `fsdp_config.offload_policy` (FSDP2's CPUOffloadPolicy) keeps all three on the host and
+  steps Adam there: the GPU holds only what is unsharded at once (bf16 weights and gradients
+  of the root module, embeddings and LM head, and of two decoder layers, the one computing
+  and the one prefetched).
   A reference model (only with a KL term) adds 2·P/W in bf16 unless `ref.fsdp_config.param_offload`.
-  Activations are not estimated: the training figure is a lower bound.
+- Activations of one micro-batch (an estimate, see `activation_bytes_per_token`): N tokens
+  per GPU (ppo_micro_batch_size_per_gpu × (max_prompt_length + max_response_length), or
+  ppo_max_token_len_per_gpu with dynamic batch sizes; divided by the Ulysses degree) times
+  what each token keeps for the backward pass, plus the LM head's logits. They add to the
+  update peak.
 - vLLM: reserves `gpu_memory_utilization`·G at start-up (G = the GPU's memory) and keeps it
   while awake. Inside that share: its weights 2·P/T (bf16), a fixed allowance for its
   profiling-run activations and CUDA graphs, and the KV cache in what is left. vLLM refuses
@@ -98,19 +110,61 @@ class ModelShape:
         MLP: gate, up and down, each hidden × intermediate. Biases are ignored (none in
         Qwen3 / Llama 3); the per-head q/k norms of Qwen3 are within rounding.
         """
+        return self.root_params() + self.num_layers * self.layer_params()
+
+    def layer_params(self) -> int:
+        """One decoder layer: attention, SwiGLU MLP and its two RMSNorms."""
         h, d = self.hidden_size, self.head_dim
         attention = 2 * h * self.num_heads * d + 2 * h * self.num_kv_heads * d
-        mlp = 3 * h * self.intermediate_size
-        norms = 2 * h
-        embed = self.vocab_size * h
-        head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return embed + self.num_layers * (attention + mlp + norms) + h + head
+        return attention + 3 * h * self.intermediate_size + 2 * h
+
+    def root_params(self) -> int:
+        """Outside the decoder layers: embeddings, final norm, LM head unless tied."""
+        embed = self.vocab_size * self.hidden_size
+        return embed + self.hidden_size + (0 if self.tie_word_embeddings else embed)
+
+
+    def layer_activation_bytes_per_token(self) -> int:
+        """bf16 tensors one decoder layer keeps per token for its backward pass (flash attention,
+        so nothing quadratic in the sequence length): the inputs of its two RMSNorms and of the
+        projections after them (4·h), q, k and v (q + 2·kv), the attention output (q), and the
+        SwiGLU MLP's gate, up, SiLU(gate) and their product (4·I)."""
+        q = self.num_heads * self.head_dim
+        kv = self.num_kv_heads * self.head_dim
+        return BF16_BYTES * (4 * self.hidden_size + 2 * q + 2 * kv + 4 * self.intermediate_size)
+
+    def activation_bytes_per_token(self, checkpointing: bool) -> int:
+        """Activation memory per token of a training micro-batch, an estimate (autograd's own
+        bookkeeping, allocator fragmentation and dropout masks are not counted).
+
+        Without gradient checkpointing every layer keeps its tensors: L · layer. With it each
+        layer keeps only its input (2·h bytes) and one layer is recomputed at a time during the
+        backward pass: L · 2·h + layer. Either way the LM head's logits are kept: bf16 (2·V)
+        and the fp32 copy the log-softmax of the log-probs works on (4·V).
+        """
+        layer = self.layer_activation_bytes_per_token()
+        layers = (self.num_layers * BF16_BYTES * self.hidden_size + layer) if checkpointing else self.num_layers * layer
+        return layers + (BF16_BYTES + 4) * self.vocab_size
 
 
 def kv_bytes_per_token(shape: ModelShape, tp: int = 1, dtype: str = "bfloat16") -> int:
     """KV cache per token on one GPU: 2 · layers · max(1, KV heads / T) · head dim · bytes."""
     kv_heads = max(1, shape.num_kv_heads // max(1, tp))
     return 2 * shape.num_layers * kv_heads * shape.head_dim * DTYPE_BYTES.get(dtype, 2)
+
+
+SHIPPED_SPECS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "model_specs.json")
+
+
+def shipped_model_config(model_path: str) -> dict | None:
+    """The shipped figures (model_specs.json) of a hub id, or of a path whose last part is the
+    name of a shipped model (`/models/Qwen3-8B-Base` on a machine without that directory); else None."""
+    with open(SHIPPED_SPECS, encoding="utf-8") as f:
+        models = json.load(f)["models"]
+    if model_path in models:
+        return models[model_path]
+    name = os.path.basename(model_path.rstrip("/"))
+    return next((figures for hub_id, figures in models.items() if hub_id.split("/")[-1] == name), None)
 
 
 def read_model_config(model_path: str) -> dict | None:
@@ -146,6 +200,7 @@ class AgentPlan:
     max_model_len: int | None
     param_offload: bool
     optimizer_offload: bool
+    offload_policy: bool = False
     shape: ModelShape | None = None
     params: int = 0
     fsdp_weights: int = 0
@@ -156,8 +211,14 @@ class AgentPlan:
     vllm_weights: int = 0
     kv_budget: int = 0
     kv_needed: int = 0
+    micro_tokens: int = 0  # N: tokens of one training micro-batch on one GPU
+    checkpointing: bool = False
+    activations: int = 0
+    rollout_need: int = 0  # per GPU while the pool's replicas are awake (set by the pool check)
+    update_need: int = 0  # per GPU during this agent's update
     problems: list[str] = field(default_factory=list)
     note: str = ""
+    source: str = ""  # where the shape came from
 
     @property
     def known(self) -> bool:
@@ -166,14 +227,16 @@ class AgentPlan:
     @property
     def resident(self) -> int:
         """Actor state left on the GPU between updates (what offload removes)."""
+        if self.offload_policy:
+            return self.ref_weights
         weights = 0 if self.param_offload else self.fsdp_weights
         adam = 0 if self.optimizer_offload else self.fsdp_adam
         return weights + adam + self.ref_weights
 
     @property
     def train_peak(self) -> int:
-        """Actor state during its own update (offloaded state comes back): 16·P/W (+ ref)."""
-        return self.fsdp_weights + self.fsdp_grads + self.fsdp_adam + self.ref_weights
+        """During its own update (offloaded state comes back): 16·P/W (+ ref) + one micro-batch's activations."""
+        return self.fsdp_weights + self.fsdp_grads + self.fsdp_adam + self.ref_weights + self.activations
 
     @property
     def fits(self) -> bool:
@@ -202,29 +265,44 @@ def plan_agent(cfg, spec, gpu_memory: int, shape: ModelShape | None) -> AgentPla
         max_model_len=None if max_len is None else int(max_len),
         param_offload=bool(actor.fsdp_config.get("param_offload", False)),
         optimizer_offload=bool(actor.fsdp_config.get("optimizer_offload", False)),
+        offload_policy=bool(actor.fsdp_config.get("offload_policy", False)) and str(actor.get("strategy")) == "fsdp2",
         shape=shape,
     )
     plan.vllm_share = int(plan.utilization * gpu_memory)
     if shape is None:
-        plan.note = f"{spec.model_path}: no config.json here (not a local dir, not in the HF cache); memory not estimated"
+        plan.note = (f"{spec.model_path}: no config.json here (not a local dir, not in the HF cache, not in "
+                     "recipe_hacpo/model_specs.json); memory not estimated")
         return plan
     if plan.max_model_len is None:
         # verl's vLLM server falls back to the model's maximum context
         plan.max_model_len = shape.max_position_embeddings
     world = max(1, gpus)
     p = plan.params = shape.num_params()
-    plan.fsdp_weights = FP32_WEIGHT_BYTES * p // world
-    plan.fsdp_grads = FP32_GRAD_BYTES * p // world
-    plan.fsdp_adam = ADAM_BYTES * p // world
+    if plan.offload_policy:
+        in_flight = shape.root_params() + 2 * shape.layer_params()
+        plan.fsdp_weights = plan.fsdp_grads = BF16_BYTES * in_flight
+    else:
+        plan.fsdp_weights = FP32_WEIGHT_BYTES * p // world
+        plan.fsdp_grads = FP32_GRAD_BYTES * p // world
+        plan.fsdp_adam = ADAM_BYTES * p // world
     ref = spec.section(cfg, "ref")
     uses_ref = bool(actor.get("use_kl_loss", False)) or bool(cfg.algorithm.get("use_kl_in_reward", False))
     if uses_ref and not bool((ref.get("fsdp_config") or {}).get("param_offload", False)):
         plan.ref_weights = BF16_BYTES * p // world
+    plan.micro_tokens = micro_batch_tokens(cfg, actor)
+    plan.checkpointing = bool(spec.section(cfg, "model").get("enable_gradient_checkpointing", False))
+    plan.activations = plan.micro_tokens * shape.activation_bytes_per_token(plan.checkpointing)
     rollout_dtype = str(rollout.get("dtype") or "bfloat16")
     plan.vllm_weights = DTYPE_BYTES.get(rollout_dtype, 2) * p // plan.tp
     plan.kv_budget = plan.vllm_share - plan.vllm_weights - int(VLLM_NON_KV_GIB * GIB)
     plan.kv_needed = kv_bytes_per_token(shape, plan.tp, rollout_dtype) * plan.max_model_len
-    if plan.kv_needed > plan.kv_budget:
+    if plan.kv_budget <= 0:
+        plan.problems.append(
+            f"vLLM's share gpu_memory_utilization={plan.utilization} × {_gib(gpu_memory)} = {_gib(plan.vllm_share)} "
+            f"does not hold its {_gib(plan.vllm_weights)} of weights and {VLLM_NON_KV_GIB:g} GiB of activations, "
+            "let alone a KV cache; raise actor_rollout_ref.rollout.gpu_memory_utilization or tensor_model_parallel_size"
+        )
+    elif plan.kv_needed > plan.kv_budget:
         plan.problems.append(
             f"vLLM KV cache for max_model_len={plan.max_model_len} needs {_gib(plan.kv_needed)} but "
             f"gpu_memory_utilization={plan.utilization} leaves {_gib(max(0, plan.kv_budget))} after "
@@ -234,22 +312,37 @@ def plan_agent(cfg, spec, gpu_memory: int, shape: ModelShape | None) -> AgentPla
     return plan
 
 
+def micro_batch_tokens(cfg, actor) -> int:
+    """Tokens of one training micro-batch on one GPU, at the longest rows the data allows."""
+    if actor.get("use_dynamic_bsz", False):
+        tokens = int(actor.ppo_max_token_len_per_gpu)
+    else:
+        rows = int(actor.get("ppo_micro_batch_size_per_gpu") or 1)
+        tokens = rows * (int(cfg.data.max_prompt_length) + int(cfg.data.max_response_length))
+    return tokens // max(1, int(actor.get("ulysses_sequence_parallel_size") or 1))
+
+
 def plan(cfg, specs, gpu_memory_gib: float | None = None, shapes: dict | None = None) -> list[AgentPlan]:
     """Every agent's plan, with the checks that involve the agents sharing its GPUs.
 
     `shapes` maps an agent name to a ModelShape (or None); missing names are read from
-    config.json (`read_model_config`).
+    config.json (`read_model_config`), else from the shipped figures (`shipped_model_config`).
     """
     gib = float(gpu_memory_gib if gpu_memory_gib is not None else cfg.trainer.get("gpu_memory_gib", 80))
     gpu_memory = int(gib * GIB)
     plans = []
     for s in specs:
+        source = "given"
         if shapes is not None and s.name in shapes:
             shape = shapes[s.name]
         else:
-            raw = read_model_config(s.model_path)
+            raw, source = read_model_config(s.model_path), "config.json on disk"
+            if raw is None:
+                raw = shipped_model_config(s.model_path)
+                source = "not on disk: figures shipped in recipe_hacpo/model_specs.json (the model's public config.json)"
             shape = ModelShape.from_config(raw) if raw else None
         plans.append(plan_agent(cfg, s, gpu_memory, shape))
+        plans[-1].source = source if shape is not None else ""
 
     pools: dict[str, list[AgentPlan]] = {}
     for p in plans:
@@ -281,6 +374,8 @@ def _check_pool(members: list[AgentPlan], gpu_memory: int) -> None:
         return
     overhead = int(PROCESS_OVERHEAD_GIB * GIB) * PROCESSES_PER_AGENT * len(members)
     awake = overhead + sum(m.vllm_share + m.resident for m in members)
+    for m in members:
+        m.rollout_need = awake
     if awake > gpu_memory:
         where = "with the other agents of its shared pool " if shared else ""
         for m in members:
@@ -293,10 +388,11 @@ def _check_pool(members: list[AgentPlan], gpu_memory: int) -> None:
             )
     for m in members:
         others = sum(x.resident for x in members if x is not m)
-        need = overhead + m.train_peak + others
+        need = m.update_need = overhead + m.train_peak + others
         if need > gpu_memory:
             m.problems.append(
-                f"update phase needs at least {_gib(need)} per GPU (FSDP weights+grads+Adam {_gib(m.train_peak)}"
+                f"update phase needs at least {_gib(need)} per GPU (FSDP weights+grads+Adam "
+                f"{_gib(m.train_peak - m.activations)}, activations of a micro-batch about {_gib(m.activations)}"
                 + (f", other agents' resident {_gib(others)}" if others else "")
                 + f") of {_gib(gpu_memory)}; use more GPUs for this agent"
             )
@@ -322,22 +418,33 @@ def _gib(n: int) -> str:
 def format_plan(plans: list[AgentPlan], gpu_memory_gib: float) -> str:
     """The table `trainer.plan_only=true` prints: one block per agent."""
     lines = [f"HACPO plan: {len(plans)} agent(s), {gpu_memory_gib:g} GiB per GPU "
-             "(activations not included: training figures are lower bounds)"]
+             "(activations are an estimate at the longest rows; CUDA context about 1 GiB per process)"]
     for p in plans:
         lines.append(f"- {p.name}: {p.gpus} GPU(s) on {p.nodes} node(s), {p.pool} pool, vLLM TP {p.tp}")
         if not p.known:
             lines.append(f"    {p.note}")
             lines += [f"    DOES NOT FIT: {msg}" for msg in p.problems] or ["    fit not checked"]
             continue
-        offload = ", ".join(k for k, on in (("params", p.param_offload), ("optimizer", p.optimizer_offload)) if on)
+        offload = "FSDP2 offload_policy (weights, grads, Adam on the host)" if p.offload_policy else ", ".join(
+            k for k, on in (("params", p.param_offload), ("optimizer", p.optimizer_offload)) if on)
         lines += [
+            f"    architecture: {p.source}",
             f"    parameters {p.params / 1e9:.2f} B",
             f"    FSDP per GPU: weights {_gib(p.fsdp_weights)}, grads {_gib(p.fsdp_grads)}, Adam {_gib(p.fsdp_adam)}"
             + (f", ref {_gib(p.ref_weights)}" if p.ref_weights else "")
-            + f"; offload: {offload or 'none'}; resident between updates {_gib(p.resident)}, update peak {_gib(p.train_peak)}",
+            + f"; offload: {offload or 'none'}; resident between updates {_gib(p.resident)}",
+            f"    activations of a micro-batch ({p.micro_tokens} tokens, gradient checkpointing "
+            f"{'on' if p.checkpointing else 'off'}): about {_gib(p.activations)}; update peak {_gib(p.train_peak)}",
             f"    vLLM per GPU: share {_gib(p.vllm_share)} (gpu_memory_utilization {p.utilization}), weights "
             f"{_gib(p.vllm_weights)}, KV cache {_gib(max(0, p.kv_budget))} "
             f"(one {p.max_model_len}-token sequence needs {_gib(p.kv_needed)})",
         ]
+        if p.rollout_need:
+            worst = max(p.rollout_need, p.update_need)
+            lines.append(
+                f"    per GPU with processes and the pool's other agents: rollout phase {_gib(p.rollout_need)}, "
+                f"update phase {_gib(p.update_need)} of {gpu_memory_gib:g} GiB"
+                + (f" ({_gib(int(gpu_memory_gib * GIB) - worst)} to spare)" if p.fits else "")
+            )
         lines += ["    fits"] if p.fits else [f"    DOES NOT FIT: {msg}" for msg in p.problems]
     return "\n".join(lines)

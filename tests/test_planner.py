@@ -1,10 +1,12 @@
 """GPU memory plan (recipe_hacpo/planner.py) and the memory checks `config.validate` runs
-before Ray, on the real shapes of the presets' models (tests/fixtures/model_shapes/*/config.json,
-numbers from the public model cards)."""
+before Ray, on the real shapes of the presets' models (tests/fixtures/model_shapes/*/config.json
+and the figures shipped in recipe_hacpo/model_specs.json, both from the public config.json files)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPES = REPO / "tests" / "fixtures" / "model_shapes"
 PRESETS = sorted(p.stem for p in (REPO / "configs").glob("pair_*.yaml"))
 GIB = 1024**3
+SHIPPED = json.loads((REPO / "recipe_hacpo" / "model_specs.json").read_text())["models"]
 
 
 def _shape(name: str) -> planner.ModelShape:
@@ -46,7 +49,7 @@ def _no_path_env(monkeypatch):
 @pytest.mark.parametrize(
     "name, billions",
     [
-        ("Qwen3-1.7B-Base", 1.72), ("Qwen3-4B", 4.02), ("Qwen3-4B-Base", 4.02),
+        ("Qwen3-0.6B-Base", 0.60), ("Qwen3-1.7B-Base", 1.72), ("Qwen3-4B", 4.02), ("Qwen3-4B-Base", 4.02),
         ("Qwen3-4B-Instruct-2507", 4.02), ("Qwen3-8B-Base", 8.19),
         ("Llama-3.2-1B-Instruct", 1.24), ("Llama-3.2-3B-Instruct", 3.21),
     ],
@@ -67,23 +70,45 @@ def test_kv_cache_of_qwen3_4b_instruct_at_its_full_context_is_36_gib():
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-def test_every_preset_fits_80_gib_with_its_real_model_shapes(preset):
-    cfg = _compose(preset, _local_models(preset))
-    specs, _ = validate(cfg)  # check_paths: the fixture dirs hold config.json
+def test_every_preset_is_planned_and_fits_without_download(preset):
+    """Hub ids that are not on disk are planned from the shipped figures, with the same numbers
+    as from their config.json; every preset fits the GPU it names (trainer.gpu_memory_gib)."""
+    cfg = _compose(preset)
+    specs, _ = validate(cfg, check_paths=False)
+    gib = float(cfg.trainer.gpu_memory_gib)
     plans = planner.plan(cfg, specs)
     assert [p.name for p in plans] == [s.name for s in specs]
     for p in plans:
         assert p.known and p.fits, (p.name, p.problems)
-        assert p.max_model_len == 5120 == cfg.data.max_prompt_length + cfg.data.max_response_length
+        assert "model_specs.json" in p.source
+        assert p.max_model_len == cfg.data.max_prompt_length + cfg.data.max_response_length
         assert 0 < p.kv_needed < p.kv_budget
-        assert p.train_peak == p.fsdp_weights + p.fsdp_grads + p.fsdp_adam
-        assert p.fsdp_adam == 8 * p.params // p.gpus
-        if preset.endswith("_4gpu"):
-            assert (p.pool, p.gpus, p.resident) == ("shared", 4, 0)
+        assert max(p.rollout_need, p.update_need) <= gib * GIB
+        assert 0 < p.activations < p.train_peak
+        if preset.endswith(("_4gpu", "_1gpu")):
+            assert (p.pool, p.gpus, p.resident) == ("shared", int(preset[-4]), 0)
         else:
             assert p.pool == "own" and p.resident == p.fsdp_weights + p.fsdp_adam
-    text = planner.format_plan(plans, 80)
+        if not p.offload_policy:
+            assert p.train_peak == p.fsdp_weights + p.fsdp_grads + p.fsdp_adam + p.activations
+            assert p.fsdp_adam == 8 * p.params // p.gpus
+    text = planner.format_plan(plans, gib)
     assert text.count("    fits") == len(plans) and "DOES NOT FIT" not in text
+    assert text.count("not on disk: figures shipped in recipe_hacpo/model_specs.json") == len(plans)
+    # from the models' config.json on disk: the same figures
+    on_disk = _compose(preset, _local_models(preset))
+    disk_plans = planner.plan(on_disk, agent_specs(on_disk))
+    assert [p.source for p in disk_plans] == ["config.json on disk"] * len(plans)
+    assert [(p.params, p.train_peak, p.kv_needed, p.rollout_need) for p in disk_plans] == [
+        (p.params, p.train_peak, p.kv_needed, p.rollout_need) for p in plans]
+    if preset.endswith("_1gpu"):
+        # the preset's comment states the plan's verdict and margin
+        comment = (REPO / "configs" / f"{preset}.yaml").read_text()
+        stated = re.search(r"largest update ([\d.]+) GiB: fits\n#\s+([\d.]+) GiB with ([\d.]+) GiB to spare", comment)
+        assert stated, f"{preset}.yaml: no 'largest update … fits … to spare' line"
+        update, total, spare = stated.groups()
+        assert float(total) == gib
+        assert f"update phase {update} GiB of {gib:g} GiB ({spare} GiB to spare)" in text
 
 
 def test_qwen3_4b_instruct_without_max_model_len_is_rejected_naming_the_agent():
@@ -114,8 +139,13 @@ def test_two_replicas_at_half_the_gpu_on_a_shared_pool_are_rejected():
 
 
 def test_shared_pool_without_local_shapes_demands_offload_and_a_bounded_share():
-    preset = "pair_qwen3-4b-base_qwen3-8b-base"  # hub ids, not in any local cache here
-    shared = ["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"]
+    preset = "pair_qwen3-4b-base_qwen3-8b-base"
+    # hub ids in no local cache and not among the shipped figures
+    shared = ["agents.0.model_path=example-org/model-a", "agents.1.model_path=example-org/model-b",
+              "agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"]
+    plans = planner.plan(_compose(preset, shared), agent_specs(_compose(preset, shared)))
+    assert not any(p.known for p in plans)
+    assert "example-org/model-a: no config.json here" in planner.format_plan(plans, 80)
     with pytest.raises(ConfigError, match=r"a shared pool needs .*param_offload=true"):
         validate(_compose(preset, shared), check_paths=False)
     offload = ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
@@ -134,7 +164,9 @@ def test_update_phase_that_cannot_fit_is_rejected():
     specs = agent_specs(cfg)
     plans = planner.plan(cfg, specs)
     assert plans[0].fits and not plans[1].fits
-    assert any(msg.startswith("update phase needs at least 124") for msg in plans[1].problems), plans[1].problems
+    # + 6.5 GiB of activations (1 row × 5120 tokens, checkpointed) + 2 processes × 1 GiB
+    assert any(msg.startswith("update phase needs at least 130.5 GiB") and "activations of a micro-batch about 6.5 GiB"
+               in msg for msg in plans[1].problems), plans[1].problems
 
 
 def test_max_model_len_shorter_than_prompt_plus_response_is_rejected():
@@ -201,10 +233,20 @@ def test_plan_only_exits_non_zero_on_an_impossible_config(tmp_path):
     assert "error: agent qwen3_4b_instruct:" in proc.stderr
 
 
-def test_plan_only_without_local_models_says_so(tmp_path):
-    proc = _plan_only("pair_qwen3-4b-base_qwen3-8b-base", [], tmp_path)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "Qwen/Qwen3-8B-Base: no config.json here" in proc.stdout and "fit not checked" in proc.stdout
+def test_plan_only_without_local_models_refuses_vllm_at_5_percent_for_the_8b_model(tmp_path):
+    """No model on disk: the shipped figures judge the plan; 5 % of 80 GiB (4 GiB) cannot hold
+    Qwen3-8B's 15.3 GiB of bf16 weights: exit 1 with one line naming the agent."""
+    proc = _plan_only("pair_qwen3-4b-base_qwen3-8b-base",
+                      ["++agents.1.actor_rollout_ref.rollout.gpu_memory_utilization=0.05"], tmp_path)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("not on disk: figures shipped in recipe_hacpo/model_specs.json") == 2
+    assert proc.stdout.count("    fits") == 1  # the 4B agent, at the preset's 0.5
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: agent qwen3_8b_base: vLLM's share gpu_memory_utilization=0.05 × 80.0 GiB = 4.0 GiB does not hold "
+        "its 15.3 GiB of weights and 2 GiB of activations, let alone a KV cache; raise "
+        "actor_rollout_ref.rollout.gpu_memory_utilization or tensor_model_parallel_size"
+    ]
 
 
 def test_hub_ids_in_the_local_cache_are_planned_without_download(tmp_path, monkeypatch):
@@ -223,16 +265,36 @@ def test_hub_ids_in_the_local_cache_are_planned_without_download(tmp_path, monke
     plans = planner.plan(cfg, agent_specs(cfg))
     assert [p.known for p in plans] == [True, True]
     assert [round(p.params / 1e9, 2) for p in plans] == [4.02, 8.19]
-    # the shared-pool check now uses the arithmetic (2 × 0.42 × 80 GiB + processes fits), not
-    # the shape-free bound of 0.8 on the summed share, which rejects the same config
+    # the shared-pool check uses the arithmetic (2 × 0.42 × 80 GiB + processes fits), not the
+    # shape-free bound of 0.8 on the summed share (left for models with no figures at all)
     shared = ["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0",
               "actor_rollout_ref.actor.fsdp_config.param_offload=true",
               "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
               "actor_rollout_ref.rollout.gpu_memory_utilization=0.42"]
     validate(_compose("pair_qwen3-4b-base_qwen3-8b-base", shared), check_paths=False)
+    assert [p.source for p in plans] == ["config.json on disk"] * 2
+    # not in the cache: the shipped figures, the same plan
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "empty"))
-    with pytest.raises(ConfigError, match=r"0\.42\+0\.42 = 0\.84 of each GPU"):
-        validate(_compose("pair_qwen3-4b-base_qwen3-8b-base", shared), check_paths=False)
+    offline = planner.plan(cfg, agent_specs(cfg))
+    assert all("model_specs.json" in p.source for p in offline)
+    assert [(p.params, p.kv_needed) for p in offline] == [(p.params, p.kv_needed) for p in plans]
+
+
+@pytest.mark.parametrize("hub_id", sorted(SHIPPED))
+def test_shipped_figures_are_the_config_json_and_the_model_card(hub_id):
+    """The shipped figures: the same as the model's config.json (fixture), the card's parameter
+    count recomputed from them (cards round: 1.7 B is 1.72 B), and a source for each."""
+    figures = SHIPPED[hub_id]
+    assert figures["source"] == f"https://huggingface.co/{hub_id}/blob/main/config.json"
+    fixture = json.loads((SHAPES / hub_id.split("/")[1] / "config.json").read_text())
+    for key, value in fixture.items():
+        if key not in ("architectures", "attention_bias"):
+            assert figures[key] == value, (hub_id, key)
+    params = planner.ModelShape.from_config(figures).num_params()
+    assert params / 1e9 == pytest.approx(figures["card_parameters_b"], abs=0.03)
+    # a path whose last part is the model's name is planned from the same figures
+    assert planner.shipped_model_config("/nowhere/" + hub_id.split("/")[1]) == figures
+    assert planner.shipped_model_config("/nowhere/Qwen3-99B") is None
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in SHAPES.iterdir()))
@@ -246,7 +308,9 @@ def test_parameter_count_matches_transformers_own_model(name):
         model = AutoModelForCausalLM.from_config(cfg)
     actual = sum(p.numel() for p in model.parameters())  # tied embeddings counted once
     # only Qwen3's per-head q/k norms (2 · head_dim per layer) are left out
-    assert abs(_shape(name).num_params() - actual) / actual < 1e-5
+    shape = _shape(name)
+    left_out = 2 * shape.head_dim * shape.num_layers if cfg.model_type == "qwen3" else 0
+    assert actual - shape.num_params() == left_out
 
 
 def test_planner_imports_nothing_from_config():
@@ -257,3 +321,42 @@ def test_planner_imports_nothing_from_config():
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not any(m and m.startswith("recipe_hacpo") for m in imported), imported
+
+
+def test_activation_estimate_by_hand():
+    shape = _shape("Qwen3-1.7B-Base")  # h 2048, 16 × 128 q, 8 × 128 kv, I 6144, 28 layers, V 151936
+    # one layer: 2 bytes × (4·2048 + 2·2048 + 2·1024 + 4·6144) = 2 × 38912
+    assert shape.layer_activation_bytes_per_token() == 77824
+    logits = 6 * 151936  # bf16 logits and their fp32 copy
+    assert shape.activation_bytes_per_token(checkpointing=False) == 28 * 77824 + logits == 3090688
+    # checkpointed: every layer's 2·h input, one layer recomputed at a time
+    assert shape.activation_bytes_per_token(checkpointing=True) == 28 * 2 * 2048 + 77824 + logits == 1104128
+
+    preset = "pair_qwen3-1p7b-base_llama3p2-1b-instruct_1gpu"  # 2 rows × (1024 + 4096) tokens a micro-batch
+    qwen = planner.plan(_compose(preset), agent_specs(_compose(preset)))[0]
+    assert (qwen.micro_tokens, qwen.checkpointing) == (10240, True)
+    assert qwen.activations == 10240 * 1104128  # 10.5 GiB
+    assert qwen.train_peak == 16 * qwen.params + qwen.activations
+    assert qwen.update_need == 4 * GIB + qwen.train_peak  # 2 agents × 2 processes × 1 GiB
+    off = _compose(preset, ["actor_rollout_ref.model.enable_gradient_checkpointing=false"])
+    assert planner.plan(off, agent_specs(off))[0].activations == 10240 * 3090688  # 29.5 GiB
+    # dynamic batch sizes: ppo_max_token_len_per_gpu tokens, split by the Ulysses degree
+    dyn = _compose(preset, ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                            "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=16384",
+                            "actor_rollout_ref.actor.ulysses_sequence_parallel_size=2"])
+    assert planner.plan(dyn, agent_specs(dyn))[0].micro_tokens == 8192
+
+
+def test_offload_policy_keeps_fsdp_state_on_the_host():
+    preset = "pair_qwen3-0p6b-base_llama3p2-1b-instruct_1gpu"  # fsdp_config.offload_policy=true
+    llama = planner.plan(_compose(preset), agent_specs(_compose(preset)))[1]
+    assert llama.offload_policy and (llama.fsdp_adam, llama.resident) == (0, 0)
+    # bf16 weights and gradients of the root (tied 128256 × 2048 embeddings + final norm) and of
+    # two layers (q, o 2048 × 2048; k, v 2048 × 512; MLP 3 × 2048 × 8192; two norms)
+    layer = 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 8192 + 2 * 2048
+    assert llama.fsdp_weights == llama.fsdp_grads == 2 * (128256 * 2048 + 2048 + 2 * layer)
+    assert llama.train_peak == 2 * llama.fsdp_weights + llama.activations
+    # on the GPU instead, Llama-3.2-1B's 16 bytes a parameter alone would not fit 24 GiB
+    on_gpu = _compose(preset, ["actor_rollout_ref.actor.fsdp_config.offload_policy=false"])
+    plans = planner.plan(on_gpu, agent_specs(on_gpu))
+    assert any(m.startswith("update phase needs at least 2") for m in plans[1].problems), plans[1].problems
