@@ -1,6 +1,7 @@
 """Every model-pair preset composes and validates against 8 GPUs without any GPU: the
 paper's setup (docs/REPRODUCE.md) with its per-pair α / lower bound / δ_step, agents, resource
-pools against the GPUs, and batch divisibility."""
+pools against the GPUs, and batch divisibility; the one-GPU presets too (their memory plans:
+tests/test_planner.py)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ PAPER = {
     "qwen3-1p7b-base_llama3p2-1b-instruct": (1.0, 0.8, 0.025, "Qwen/Qwen3-1.7B-Base", "meta-llama/Llama-3.2-1B-Instruct"),
     "qwen3-4b-base_llama3p2-3b-instruct": (1.0, 0.8, 0.025, "Qwen/Qwen3-4B-Base", "meta-llama/Llama-3.2-3B-Instruct"),
 }
+# the one-GPU debug pair: not a paper pair, the paper's defaults
+DEBUG = {
+    "qwen3-0p6b-base_llama3p2-1b-instruct": (1.0, 0.8, 0.025, "Qwen/Qwen3-0.6B-Base", "meta-llama/Llama-3.2-1B-Instruct"),
+}
+PAIRS = PAPER | DEBUG
 PRESETS = sorted(p.stem for p in CONFIGS.glob("pair_*.yaml"))
 GPUS_8 = ["++ray_kwargs.ray_init.num_gpus=8"]
 # what run_scripts/_run_pair.sh adds for PLACEMENT=shared
@@ -41,7 +47,7 @@ SHARED = [
 
 
 def _pair(preset: str) -> str:
-    return preset.removeprefix("pair_").removesuffix("_4gpu")
+    return preset.removeprefix("pair_").removesuffix("_4gpu").removesuffix("_1gpu")
 
 
 def _compose(name: str, overrides: list[str]):
@@ -56,12 +62,15 @@ def _no_path_env(monkeypatch):
 
 
 def test_every_paper_pair_has_a_preset():
-    assert set(PAPER) == {_pair(p) for p in PRESETS}
+    assert set(PAIRS) == {_pair(p) for p in PRESETS}
     assert {f"pair_{pair}" for pair in PAPER} <= set(PRESETS)
     # a smaller-footprint variant for every pair but the largest
     assert {p for p in PRESETS if p.endswith("_4gpu")} == {
         f"pair_{pair}_4gpu" for pair in PAPER if pair != "qwen3-4b-base_qwen3-8b-base"
     }
+    # one GPU: the debug pair (24 GiB) and one paper pair (80 GiB)
+    assert {p for p in PRESETS if p.endswith("_1gpu")} == {
+        "pair_qwen3-0p6b-base_llama3p2-1b-instruct_1gpu", "pair_qwen3-1p7b-base_llama3p2-1b-instruct_1gpu"}
     for preset in PRESETS:
         text = (CONFIGS / f"{preset}.yaml").read_text()
         # primary configs: Hydra reads the search path from the primary config only
@@ -70,7 +79,7 @@ def test_every_paper_pair_has_a_preset():
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_preset_composes_and_validates_on_8_gpus(preset):
-    alpha, lower, delta_step, model_a, model_b = PAPER[_pair(preset)]
+    alpha, lower, delta_step, model_a, model_b = PAIRS[_pair(preset)]
     cfg = _compose(preset, GPUS_8)
     specs, hacpo = validate(cfg, check_paths=False)
 
@@ -81,7 +90,8 @@ def test_preset_composes_and_validates_on_8_gpus(preset):
     assert 1 - hacpo.delta == pytest.approx(lower)
 
     # the paper's setup
-    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.max_response_length) == (128, 1024, 4096)
+    lengths = (512, 1024) if _pair(preset) in DEBUG else (1024, 4096)  # the debug pair's short responses
+    assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.max_response_length) == (128, *lengths)
     assert cfg.data.train_files == "data/paper/math_train.parquet"
     actor = cfg.actor_rollout_ref.actor
     assert actor.ppo_mini_batch_size == 32 and actor.optim.lr == 1e-6
@@ -93,14 +103,17 @@ def test_preset_composes_and_validates_on_8_gpus(preset):
     assert rollout.max_model_len == cfg.data.max_prompt_length + cfg.data.max_response_length
     assert cfg.trainer.total_epochs == 1 and cfg.trainer.nnodes == 1
 
-    # placement: one pool of 4 GPUs per agent on 8 GPUs, or one shared pool of 4 GPUs
-    if preset.endswith("_4gpu"):
-        assert [s.n_gpus_per_node for s in specs] == [0, 0] and cfg.trainer.n_gpus_per_node == 4
+    # placement: one pool of 4 GPUs per agent on 8 GPUs, or one shared pool of 4 GPUs or of 1
+    if preset.endswith(("_4gpu", "_1gpu")):
+        gpus = int(preset[-4])
+        assert [s.n_gpus_per_node for s in specs] == [0, 0] and cfg.trainer.n_gpus_per_node == gpus
         assert actor.fsdp_config.param_offload and actor.fsdp_config.optimizer_offload
         # two replicas awake together must leave room: the sum stays within the shared-pool bound
         assert 2 * rollout.gpu_memory_utilization <= 0.8
     else:
         assert [s.n_gpus_per_node for s in specs] == [4, 4] and cfg.trainer.n_gpus_per_node == 8
+    # the GPU the plan is judged against: the debug pair's 24 GiB, else 80 GiB
+    assert cfg.trainer.gpu_memory_gib == (24 if _pair(preset) in DEBUG else 80)
 
     for spec in specs:
         agent = agent_verl_config(cfg, spec)
@@ -190,7 +203,7 @@ def test_every_method_makes_the_papers_updates(preset, method):
     specs, hacpo = validate(cfg, check_paths=False)
     assert hacpo.mode == mode
     # the per-pair α / δ / δ_step of the preset survive the method switch
-    alpha, lower, delta_step, *_ = PAPER[_pair(preset)]
+    alpha, lower, delta_step, *_ = PAIRS[_pair(preset)]
     assert (hacpo.alpha, hacpo.delta_step) == (alpha, delta_step) and 1 - hacpo.delta == pytest.approx(lower)
     for spec in specs:
         actor = agent_verl_config(cfg, spec).actor_rollout_ref.actor
