@@ -224,7 +224,7 @@ def test_slurm_two_nodes_starts_head_worker_and_trainer(standins):
     assert len(stopped) == 2 and all(index(a) > index(trainer) for a in stopped)
     assert max(index(head), index(worker)) < index(wait) < index(trainer)
     assert len(calls) == 7  # scontrol, head, worker, wait, trainer, two stopped steps
-    assert "hacpo: Ray stopped on every node" in proc.stdout and "trainer exit status 0" in proc.stdout
+    assert "hacpo: Ray stopped on every node" in proc.stdout and "(exit status 0)" in proc.stdout
     # each Ray step runs through ray_node.sh, its output in a file of the job's log dir
     for step, node in ((head, "gpu01"), (worker, "gpu02")):
         runner = step[step.index("ray") - 2:step.index("ray")]
@@ -370,7 +370,7 @@ def test_ray_steps_are_stopped_on_exit_even_when_the_trainer_fails(standins, tmp
     names = [argv[0] for argv, _ in calls]
     assert names.index("srun-stopped") > [i for i, (a, _) in enumerate(calls) if "recipe_hacpo.main" in a][0]
     assert names.count("srun-stopped") == 2
-    assert "stopping Ray on 2 node(s) (trainer exit status 3)" in proc.stdout
+    assert "stopping Ray on 2 node(s) (exit status 3)" in proc.stdout
 
 
 def _ray_node(tmp_path, command: str, **env):
