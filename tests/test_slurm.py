@@ -1,0 +1,235 @@
+"""run_scripts/slurm/hacpo.slurm under a real Slurm (tests/slurm_cluster.py: Debian's slurm-wlm
+with munge and slurmdbd accounting, two nodes on this host, each slurmd in its own PID
+namespace), submitted with `sbatch` and the CPU demo config for 2 steps on 1 and on 2 nodes;
+then `scancel` in the middle of step 2 and a resubmission that resumes from step 1's checkpoint.
+
+Every job's HOME holds a ~/.ray/auth_token, as any earlier local `ray.init()` leaves it: that
+made the head turn token authentication on by itself while the workers and the wait did not.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from slurm_cluster import KILL_WAIT_S, SlurmCluster, free_port, install
+
+# slurm: needs root, apt (or the packages), mknod and unshare; ray, e2e: it runs Ray and the
+# trainer, so `make test-quick` (-m "not ray and not e2e") leaves it out
+pytestmark = [pytest.mark.slurm, pytest.mark.ray, pytest.mark.e2e]
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "run_scripts" / "slurm" / "hacpo.slurm"
+NAMES = ("qwen_char", "llama_pair")
+STEPS = 2
+# what a 2-step job of tiny agents may take on a loaded 2-core machine
+JOB_TIMEOUT_S = 600
+# a metric that measures the machine rather than the training
+MACHINE_METRICS = ("timing_s/", "/timing_s/", "perf/", "/perf/")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    install()
+    # short: Ray's unix socket paths under RAY_TMPDIR must stay below 108 characters
+    root = Path(tempfile.mkdtemp(prefix="hs", dir="/tmp"))
+    c = SlurmCluster(root, nodes=2)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+        left = c.alive()
+        shutil.rmtree(root, ignore_errors=True)
+        assert not left, f"processes left after the cluster stopped: {left}"
+
+
+@pytest.fixture(scope="module")
+def agents(warm_agent_paths) -> str:
+    agents = ",".join(
+        f"{{name:{name},model_path:'{warm_agent_paths[kind]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
+        for kind, name in (("qwen2-char-small", "qwen_char"), ("llama-pair-medium", "llama_pair"))
+    )
+    return f"agents=[{agents}]"
+
+
+def submit(cluster: SlurmCluster, name: str, agents: str, *, nodes: int, gpus: int, ckpt: Path | None = None,
+           **env) -> tuple[int, Path]:
+    """sbatch the script with the CPU demo config for STEPS steps; (job id, output dir)."""
+    out = cluster.root / name
+    home = out / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("a-token-left-by-an-earlier-local-ray-init\n")
+    job_env = {
+        "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+        "HOME": str(home),
+        "PRESET": "hacpo_cpu_demo",
+        "HACPO_OUTPUT_DIR": str(out),
+        "HACPO_DATA_DIR": str(REPO / "data"),
+        "VERL_FILE_LOGGER_PATH": str(out / "metrics.jsonl"),
+        "RAY_PORT": str(free_port()),
+        "RAY_START_DELAY": "2",
+        "RAY_TMPDIR": str(cluster.root / "ray"),
+        # a failing job ends in minutes, not in the default 15
+        "RAY_WAIT_TIMEOUT": "240",
+        **env,
+    }
+    base = {k: v for k, v in cluster.env.items()
+            if not k.startswith(("RAY_", "HACPO_", "VERL_", "HF_", "PAIR", "PRESET", "PLACEMENT", "VIRTUAL_ENV"))}
+    args = [
+        agents,
+        f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "trainer.resume_mode=auto", "trainer.progress_bar=false",
+        "trainer.logger=[console,file]", f"trainer.default_local_dir={ckpt or out / 'ckpt'}",
+        f"trainer.progress_file={out / 'progress.json'}",
+    ]
+    proc = subprocess.run(
+        ["sbatch", "--parsable", f"--nodes={nodes}", f"--gpus-per-node={gpus}", "--cpus-per-task=8",
+         f"--output={out / 'job.out'}", str(SCRIPT), *args],
+        env={**base, **job_env}, cwd=REPO, capture_output=True, text=True, timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout.strip().split(";")[0]), out
+
+
+def steps_logged(out: Path) -> dict[int, dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {r["step"]: r["data"] for r in records if "training/global_step" in r["data"]}
+
+
+def training_metrics(step: dict) -> dict:
+    return {k: v for k, v in step.items() if not any(m in k for m in MACHINE_METRICS)}
+
+
+def job_log(out: Path) -> str:
+    path = out / "job.out"
+    return path.read_text() if path.exists() else "(no job log)"
+
+
+def assert_completed(cluster: SlurmCluster, job: int, out: Path) -> list[tuple[str, str, str]]:
+    rows = cluster.sacct(job)
+    context = f"sacct {rows}\n--- job log (end):\n{job_log(out)[-6000:]}"
+    assert (str(job), "COMPLETED", "0:0") in rows, context
+    steps = [r for r in rows if r[0] != str(job)]
+    # the batch step and one Ray step per node, at least
+    assert len(steps) >= 2 and all(state == "COMPLETED" for _, state, _ in steps), context
+    return rows
+
+
+def assert_trained(out: Path, steps: list[int]) -> dict[int, dict]:
+    logged = steps_logged(out)
+    assert sorted(logged) == steps, job_log(out)[-4000:]
+    for step in steps:
+        for name in NAMES:
+            assert f"agent/{name}/actor/pg_loss" in logged[step], (step, name, sorted(logged[step]))
+    return logged
+
+
+def assert_no_job_process(cluster: SlurmCluster, timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while (left := {n: p for n, p in cluster.node_processes().items() if p}) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes left on the nodes after the job: {left}"
+
+
+@pytest.fixture(scope="module")
+def one_node_run(cluster, agents):
+    job, out = submit(cluster, "one", agents, nodes=1, gpus=2)
+    cluster.wait_job(job, JOB_TIMEOUT_S)
+    return job, out
+
+
+def test_one_node_job_completes_every_step_and_trains_both_agents(cluster, one_node_run):
+    job, out = one_node_run
+    assert_completed(cluster, job, out)
+    assert_trained(out, list(range(1, STEPS + 1)))
+    log = job_log(out)
+    # the clean-up reports what it did, and Ray's own output stayed in its file
+    assert "hacpo: Ray stopped on every node" in log, log[-3000:]
+    assert "hacpo: ray on n1 stopped" in log, log[-3000:]
+    assert "raylet" not in log and (out / f"slurm-{job}" / "ray-n1.log").stat().st_size > 0
+    assert_no_job_process(cluster)
+
+
+def test_two_node_split_puts_each_agent_on_its_own_node(cluster, agents):
+    job, out = submit(cluster, "two", agents, nodes=2, gpus=1, PLACEMENT="split")
+    # which agent's workers run on which node, while the job runs: verl gives each worker of a
+    # worker group WG_PREFIX (here hacpo_<agent>) in its environment
+    seen: dict[str, set] = {name: set() for name in cluster.names}
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while cluster.job_state(job) and time.monotonic() < deadline:
+        for node, values in cluster.node_environ("WG_PREFIX").items():
+            seen[node] |= values
+        time.sleep(1)
+    cluster.wait_job(job, 10)
+    assert_completed(cluster, job, out)
+    assert_trained(out, list(range(1, STEPS + 1)))
+    # the batch host n1 is the first half (hacpo_split_0, agent 0), n2 the second
+    assert seen == {"n1": {"hacpo_qwen_char"}, "n2": {"hacpo_llama_pair"}}, seen
+    log = job_log(out)
+    assert "hacpo: ray on n1 stopped" in log and "hacpo: ray on n2 stopped" in log, log[-3000:]
+    assert_no_job_process(cluster)
+
+
+def test_scancel_mid_step_then_resubmit_resumes_with_the_uninterrupted_metrics(cluster, agents, one_node_run):
+    ref_job, ref_out = one_node_run
+    expected = {s: training_metrics(d) for s, d in steps_logged(ref_out).items()}
+    assert sorted(expected) == list(range(1, STEPS + 1)), job_log(ref_out)[-3000:]
+
+    ckpt = cluster.root / "cancel_ckpt"
+    job, out = submit(cluster, "cancelled", agents, nodes=1, gpus=2, ckpt=ckpt)
+    progress = out / "progress.json"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    seen = None
+    while time.monotonic() < deadline and cluster.job_state(job):
+        try:
+            seen = json.loads(progress.read_text())
+        except (OSError, ValueError):
+            seen = None
+        if seen and seen["step"] == 2 and seen["phase"] == "gen":
+            break
+        time.sleep(0.05)
+    assert seen and (seen["step"], seen["phase"]) == (2, "gen"), f"never reached step 2's rollout: {seen}\n{job_log(out)[-3000:]}"
+    cancelled_at = time.monotonic()
+    cluster.scancel(job)
+    # Ray (and every other process of the job) is gone from the node within Slurm's KillWait
+    while cluster.node_processes()["n1"] and time.monotonic() - cancelled_at < KILL_WAIT_S:
+        time.sleep(0.2)
+    gone_after = time.monotonic() - cancelled_at
+    assert not cluster.node_processes()["n1"], f"left {KILL_WAIT_S} s after scancel: {cluster.node_processes()}"
+    cluster.wait_job(job, 60)
+    rows = cluster.sacct(job)
+    assert any(r[0] == str(job) and r[1].startswith("CANCELLED") for r in rows), rows
+    log = job_log(out)
+    assert "hacpo: SIGTERM received; stopping Ray" in log, log[-3000:]
+
+    # the newest complete checkpoint is step 1's, intact; step 2 never became latest
+    from recipe_hacpo.reliability import LATEST_FILE, checkpoint_problem, find_resume_checkpoint
+
+    assert (ckpt / LATEST_FILE).read_text().strip() == "1"
+    assert checkpoint_problem(str(ckpt / "global_step_1"), list(NAMES)) is None
+    assert find_resume_checkpoint(str(ckpt), list(NAMES)).path.endswith("global_step_1")
+    assert sorted(steps_logged(out)) == [1]
+
+    job2, out2 = submit(cluster, "resumed", agents, nodes=1, gpus=2, ckpt=ckpt)
+    cluster.wait_job(job2, JOB_TIMEOUT_S)
+    assert_completed(cluster, job2, out2)
+    resumed = {s: training_metrics(d) for s, d in steps_logged(out2).items()}
+    assert sorted(resumed) == [2], job_log(out2)[-3000:]
+    context = f"Ray gone {gone_after:.1f} s after scancel"
+    assert resumed[2].keys() == expected[2].keys(), context
+    for key, value in expected[2].items():
+        assert math.isclose(resumed[2][key], value, rel_tol=1e-6, abs_tol=1e-9), (key, value, resumed[2][key], context)
+    assert_no_job_process(cluster)
