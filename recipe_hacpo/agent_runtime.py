@@ -158,7 +158,7 @@ class AgentRuntime:
         output = self.wg.compute_ref_log_prob(td)
         return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
 
-    def update(self, batch: DataProto, rows_per_prompt: int) -> dict[str, float]:
+    def update(self, batch: DataProto, rows_per_prompt: int, peer_order: str | None = None) -> dict[str, float]:
         """Mini-batch updates on the learner batch; returns the actor's metrics (`_step_metrics`).
 
         `actor.ppo_mini_batch_size` keeps verl's meaning: prompts per optimizer update, each
@@ -170,7 +170,11 @@ class AgentRuntime:
         hacpo/updates (optimizer updates this step), hacpo/lower_bound (mean over them of the
         bound the loss used), hacpo/min_own_rows and hacpo/min_cross_rows (fewest own / cross
         rows any rank had in any mini-batch).
+        With `peer_order` (mode=graft) every group is either own or one source's whole group,
+        and `graft.graft_mini_batch_order` puts the grafted groups' mini-batches last (or first,
+        or mixed) instead.
         """
+        from recipe_hacpo.graft import graft_mini_batch_order
         from recipe_hacpo.minibatch import mini_batch_order
 
         actor = self.config.actor_rollout_ref.actor
@@ -179,13 +183,12 @@ class AgentRuntime:
         seed = int(actor.data_loader_seed)  # verl's key (its default 42); 0 is a seed like any other
         if bool(batch.batch[K.IS_CROSS].any()):
             # isolated learners keep verl's row order (prompt groups are already contiguous)
-            order = mini_batch_order(
-                batch.non_tensor_batch["uid"],
-                batch.batch[K.IS_CROSS].numpy(),
-                mini_batch_prompts=mini_prompts,
-                dp_size=self.dp_size,
-                seed=seed,
-            )
+            layout = dict(mini_batch_prompts=mini_prompts, dp_size=self.dp_size, seed=seed)
+            uid, cross = batch.non_tensor_batch["uid"], batch.batch[K.IS_CROSS].numpy()
+            if peer_order is None:
+                order = mini_batch_order(uid, cross, **layout)
+            else:
+                order = graft_mini_batch_order(uid, cross, peer_order=peer_order, **layout)
             batch = batch.select_idxs(torch.as_tensor(order))
         td = worker_tensordict(batch)
         tu.assign_non_tensor(

@@ -26,6 +26,14 @@ with SOURCE_LOG_PROB_MEAN it gives the source's summed log-prob (§4, cross_rati
 REWARD = "hacpo_reward"
 """float32 [B] — scalar verifier reward R_i of the response (shared by every learner)."""
 
+GROUP_ADVANTAGE = "hacpo_group_advantage"
+"""float32 [B] — mode=graft: GRPO advantage of the response within its generating agent's own
+full group (G2); a grafted row keeps its source's value."""
+
+GRAFT_WEIGHT = "hacpo_graft_weight"
+"""float32 [B] — mode=graft: compatibility weight w of G3 (1.0 on own rows, 0.0 on grafted rows
+the floor dropped, whose response_mask is zeroed)."""
+
 # non_tensor_batch (numpy object arrays)
 RESPONSE_TEXT = "hacpo_response_text"
 """object [B] — decoded response text (no special tokens); what crosses tokenizers."""

@@ -116,6 +116,8 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
             f"algorithm.hacpo.mode={hacpo.mode}: sharing needs at least 2 agents, got {len(specs)}; "
             "add an agent or use mode=isolated"
         )
+    if hacpo.mode == "graft":
+        _validate_graft(cfg, specs)
 
     master_port_ranges(cfg.trainer.master_port_range, [s.name for s in specs])  # one line if unusable
     _validate_batches(cfg, specs)
@@ -265,7 +267,29 @@ def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> Non
             )
 
 
+def _validate_graft(cfg: DictConfig, specs: list[AgentSpec]) -> None:
+    """mode=graft replaces a receiver's group by a source's whole group: every group must have the
+    same size n (so the mini-batches keep theirs), and the receiver's extra old-log-prob pass over
+    grafted groups must split evenly over its GPUs."""
+    sizes = {s.rollout_n for s in specs}
+    if len(sizes) > 1:
+        listed = ", ".join(f"{s.name} {s.rollout_n}" for s in specs)
+        raise ConfigError(
+            f"algorithm.hacpo.mode=graft: every agent needs the same rollout_n (a grafted group replaces a whole "
+            f"group), got {listed}; set agents_rollout_n"
+        )
+    for s in specs:
+        world = max(1, s.n_gpus_per_node * s.nnodes) if not s.uses_shared_pool else _shared_world(cfg)
+        if s.rollout_n % world != 0:
+            raise ConfigError(
+                f"agents[{s.index}] ({s.name}): rollout_n={s.rollout_n} does not split over its {world} GPUs; "
+                "mode=graft scores grafted groups on the receiver's GPUs, so pick a multiple of the GPU count"
+            )
+
+
 def _rows_per_prompt(specs: list[AgentSpec], learner: AgentSpec, cfg: DictConfig) -> int:
+    if hacpo_settings(cfg).mode == "graft":
+        return learner.rollout_n  # one agent's whole group per prompt
     if hacpo_settings(cfg).shares:
         return sum(s.rollout_n for s in specs)
     return learner.rollout_n

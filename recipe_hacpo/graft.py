@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from recipe_hacpo.core_algos import compute_hacpo_advantage
+from recipe_hacpo.hacpo_settings import GRAFT_RATIO_LEVELS, PEER_ORDERS
 
 __all__ = [
     "GRAFT_RATIO_LEVELS",
@@ -43,12 +44,6 @@ __all__ = [
     "sgt_pick_responses",
     "compute_sgt_loss",
 ]
-
-GRAFT_RATIO_LEVELS = ("token", "sequence")
-"""token: ρ_{j,t} per token (GRAFT) | sequence: one ρ_j = exp(mean_t log ρ_{j,t}) per row (ablation)."""
-
-PEER_ORDERS = ("last", "first", "uniform")
-"""Where mini-batches holding grafted groups go: after own-only ones (GRAFT), before them, or anywhere."""
 
 # verl's vanilla PPO loss clamps log ρ to [−20, 20] before exp; the same clamp keeps GRAFT with
 # nothing exchanged equal to verl's GRPO loss for any ratio
@@ -68,7 +63,7 @@ def _check_counts(correct: torch.Tensor, group_size: torch.Tensor) -> None:
 
 
 def complementary_candidates(correct: torch.Tensor, group_size: torch.Tensor) -> torch.Tensor:
-    """C_{S→R} of every ordered pair (spec G1), bool [N_S, N_R, Q].
+    """C_{S→R} of every ordered pair (§9 G1), bool [N_S, N_R, Q].
 
         C_{S→R} = { q : k_R(q) = 0  and  1 ≤ k_S(q) < n_S }
 
@@ -101,7 +96,7 @@ def _keep_top(cand: torch.Tensor, score: torch.Tensor, m: int) -> torch.Tensor:
 def balanced_selection(
     candidates: torch.Tensor, correct: torch.Tensor, *, balance: bool = True
 ) -> torch.Tensor:
-    """Kept prompts of every direction after balancing each unordered pair (spec G1), bool [N_S, N_R, Q].
+    """Kept prompts of every direction after balancing each unordered pair (§9 G1), bool [N_S, N_R, Q].
 
         m_{S,R} = min(|C_{S→R}|, |C_{R→S}|)
         keep(S→R) = the first m of C_{S→R} ranked by k_S(q) descending, plus every prompt
@@ -149,7 +144,7 @@ def assign_sources(kept: torch.Tensor, correct: torch.Tensor) -> torch.Tensor:
 def graft_selection(
     correct: torch.Tensor, group_size: torch.Tensor, *, balance: bool = True
 ) -> torch.Tensor:
-    """GRAFT's whole selection (spec G1): the source of every receiver's group, long [N_R, Q] (−1: own).
+    """GRAFT's whole selection (§9 G1): the source of every receiver's group, long [N_R, Q] (−1: own).
 
     `complementary_candidates` → `balanced_selection` (per unordered pair) → `assign_sources`.
     """
@@ -164,7 +159,7 @@ def grpo_advantage(rewards: torch.Tensor, index: np.ndarray | Sequence, epsilon:
     """GRPO's outcome advantage Â_i = (R_i − mean_g R) / (std_g R + ε) of one agent's rows, [B].
 
     Computed on an agent's full group before anything is exchanged or dropped: the receiver's
-    own rows keep theirs, a grafted group carries its source's, held fixed (spec G2). A group
+    own rows keep theirs, a grafted group carries its source's, held fixed (§9 G2). A group
     of one row gets μ = 0, σ = 1, a uniform group 0, as in verl's `compute_grpo_outcome_advantage`.
 
     Args:
@@ -186,7 +181,7 @@ def compatibility_weight(
     delta: float | None = 0.8,
     gate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sequence-level weight w of every row and whether it is admitted (spec G3).
+    """Sequence-level weight w of every row and whether it is admitted (§9 G3).
 
         s(o) = exp( mean_t log π^R_old(o^R_t) − mean_t log π^S_old(o^S_t) )
         w(o) = 1[s(o) > δ] · min(s(o), 1)          grafted rows;   w = 1 on own rows
@@ -245,7 +240,7 @@ def graft_policy_loss_matrix(
     clip_ratio_c: float | None = None,
     ratio_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Per-token GRAFT loss ℓ_{j,t}, [B, T], and its metrics (spec G4).
+    """Per-token GRAFT loss ℓ_{j,t}, [B, T], and its metrics (§9 G4).
 
         ℓ_{j,t} = −w_j · min( ρ_{j,t} Â_j , clip(ρ_{j,t}, 1 − ε_low, 1 + ε_high) Â_j )
         ρ_{j,t} = π_θR(o_{j,t}) / π^R_old(o_{j,t})          own and grafted rows alike
@@ -317,7 +312,7 @@ def compute_graft_policy_loss(
     clip_ratio_c: float | None = None,
     ratio_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """J(θ_R) of spec G4 on one mini-batch, as a loss to minimise:
+    """J(θ_R) of §9 G4 on one mini-batch, as a loss to minimise:
 
         L = (1 / Σ_j |o_j|) · Σ_j Σ_t ℓ_{j,t}        (token-mean over admitted rows)
 
@@ -345,7 +340,7 @@ def graft_mini_batch_order(
     seed: int,
     peer_order: str = "last",
 ) -> np.ndarray:
-    """Permutation [B] of a receiver's batch so that grafted groups train last (spec G5).
+    """Permutation [B] of a receiver's batch so that grafted groups train last (§9 G5).
 
     Every group is either the receiver's own or one source's whole group. Own groups are
     shuffled among themselves and grafted ones among themselves (from `seed` and the group
@@ -403,7 +398,7 @@ def graft_mini_batch_order(
 
 
 # ---------------------------------------------------------------------------------------
-# S1 SGT: one correct peer response per receiver-failed prompt, λ·NLL
+# SGT: one correct peer response per receiver-failed prompt, λ·NLL
 # ---------------------------------------------------------------------------------------
 def sgt_pick_responses(
     correct: torch.Tensor,
@@ -412,7 +407,7 @@ def sgt_pick_responses(
     receiver: int,
     generator: torch.Generator,
 ) -> torch.Tensor:
-    """Rows the receiver imitates under SGT (spec S1), long [P] (row numbers into the batch).
+    """Rows the receiver imitates under SGT (docs/ALGORITHM.md, SGT), long [P] (row numbers into the batch).
 
     For every prompt q with no correct rollout of the receiver (k_R(q) = 0) and at least one
     correct peer response, one correct peer response drawn uniformly. Both directions, no
@@ -454,7 +449,7 @@ def compute_sgt_loss(
     clip_ratio_high: float = 0.28,
     clip_ratio_c: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """SGT's loss of one mini-batch (spec S1): GRPO on own rows plus λ·NLL on imitated rows.
+    """SGT's loss of one mini-batch (docs/ALGORITHM.md, SGT): GRPO on own rows plus λ·NLL on imitated rows.
 
         L = token-mean_{own rows} ℓ^GRPO_{j,t}  +  λ · token-mean_{imitated rows} (−log π_θR(o_t))
 

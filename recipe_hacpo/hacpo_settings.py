@@ -20,9 +20,16 @@ from typing import Any
 
 PATH = "algorithm.hacpo"
 
-MODES = ("hacpo", "naive", "isolated")
+MODES = ("hacpo", "naive", "isolated", "graft")
 """hacpo: the paper's method | naive: shared rollouts without HACPO's corrections | isolated:
-no sharing (the GSPO / GRPO / GSPO×2 baselines)."""
+no sharing (the GSPO / GRPO / GSPO×2 baselines) | graft: GRAFT's whole-group replacement
+(docs/ALGORITHM.md, GRAFT)."""
+
+GRAFT_RATIO_LEVELS = ("token", "sequence")
+"""GRAFT's ratio (G4): per token (the method) or one per sequence (ablation)."""
+
+PEER_ORDERS = ("last", "first", "uniform")
+"""Where GRAFT's mini-batches holding grafted groups go (G5): last (the method), first or anywhere."""
 
 USER_CROSS_CLIPS = ("stepwise", "fixed", "none")
 """The cross clips a user may set (§5)."""
@@ -54,7 +61,8 @@ class HacpoSettings:
 
     mode: str = _key(
         "hacpo", "§8", "`hacpo` (the method) | `naive` (joint group, plain mean/std, cross rows as GSPO "
-        "rows against the source's log-probs, no ω, α = 0) | `isolated` (no sharing: GSPO / GRPO / GSPO×2)",
+        "rows against the source's log-probs, no ω, α = 0) | `isolated` (no sharing: GSPO / GRPO / GSPO×2) | `graft` "
+        "(GRAFT: a receiver's failed groups replaced by a peer's whole group, weighted PPO-clip; keys `graft_*`)",
         choices=MODES,
     )
     capability_baseline: bool = _key(
@@ -97,6 +105,28 @@ class HacpoSettings:
         1.0, "§2", "baseline guard: a group whose μ̂ exceeds it uses the learner's own-sample mean (both of "
         "the authors' implementations; 1.0 is the ceiling of 0/1 rewards); `null`: no guard (the paper's formula)",
         rule=(lambda v: v is None or math.isfinite(v), "be a finite number (the reward ceiling) or null (no guard)"),
+    )
+    graft_balance: bool = _key(
+        True, "§9", "`mode=graft`: balance each pair of agents to m = min(|C_{S→R}|, |C_{R→S}|) groups per "
+        "direction, ties with the m-th kept; `false`: every candidate group (ablation)"
+    )
+    graft_weight: bool = _key(
+        True, "§9", "`mode=graft`: weigh each grafted response by w = 1[s > δ]·min(s, 1); `false`: w = 1 and "
+        "nothing dropped (ablation: no compatibility weight)"
+    )
+    graft_floor: float | None = _key(
+        0.8, "§9", "`mode=graft`: δ, grafted responses with s ≤ δ are dropped (the paper's value for every pair); "
+        "`null`: no floor, w = min(s, 1) (ablation)",
+        rule=(lambda v: v is None or 0 <= v < 1, "be in [0, 1) or null (no floor)"),
+    )
+    graft_ratio: str = _key(
+        "token", "§9", "`mode=graft`: `token` (ρ per token, the method) | `sequence` (one ρ per response, ablation)",
+        choices=GRAFT_RATIO_LEVELS,
+    )
+    graft_order: str = _key(
+        "last", "§9", "`mode=graft`: mini-batches holding grafted groups train `last` (the method), `first` or "
+        "`uniform`ly mixed (ablations)",
+        choices=PEER_ORDERS,
     )
 
     @property

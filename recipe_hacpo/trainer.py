@@ -42,6 +42,7 @@ from recipe_hacpo.core_algos import (
     compute_hacpo_advantage,
 )
 from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
+from recipe_hacpo.graft_trainer import graft_advantages, graft_exchange, peer_clip_fraction
 from recipe_hacpo.placement import check_ray_cluster, make_pool, master_port_ranges, request_for
 from recipe_hacpo.reliability import (
     LATEST_FILE,
@@ -256,7 +257,10 @@ class HacpoTrainer:
 
     # ------------------------------------------------------------------ 4 exchange
     def exchange(self, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
-        """Learner batches: own rows, then (when sharing) every peer's rows in its tokenization."""
+        """Learner batches: own rows, then (when sharing) every peer's rows in its tokenization;
+        in mode graft, per prompt the receiver's own group or one source's whole group."""
+        if self.hacpo.mode == "graft":
+            return graft_exchange(self, rollouts, metrics)
         caps = self.tracker.capabilities()
         batches = {}
         for learner in self.specs:
@@ -277,6 +281,8 @@ class HacpoTrainer:
         return batches
 
     def advantages(self, batches: dict[str, DataProto], metrics: dict) -> None:
+        if self.hacpo.mode == "graft":
+            return graft_advantages(batches, metrics)
         caps = self.tracker.capabilities()
         for learner in self.specs:
             batch = batches[learner.name]
@@ -304,18 +310,26 @@ class HacpoTrainer:
                 batches[name].batch["ref_log_prob"] = lp
 
     def update(self, batches: dict[str, DataProto], metrics: dict) -> None:
+        graft = self.hacpo.mode == "graft"
+
         def rows_per_prompt(spec: AgentSpec) -> int:
-            return sum(s.rollout_n for s in self.specs) if self.hacpo.shares else spec.rollout_n
+            # graft: each group is one agent's whole group (config.py checks that every n is equal)
+            return sum(s.rollout_n for s in self.specs) if self.hacpo.shares and not graft else spec.rollout_n
 
         for name, batch in batches.items():
             check_learner_batch(name, batch, self.global_step)
         self._dump_learner_batches(batches)
-        out = self._each(lambda a: a.update(batches[a.spec.name], rows_per_prompt(a.spec)), phase="update_actor")
+        order = self.hacpo.graft_order if graft else None
+        out = self._each(
+            lambda a: a.update(batches[a.spec.name], rows_per_prompt(a.spec), peer_order=order), phase="update_actor"
+        )
         for name, agent_metrics in out.items():
             agent_metrics.update(check_update_metrics(name, agent_metrics))
+            if graft and peer_clip_fraction(agent_metrics) is not None:
+                agent_metrics["graft/peer_clipfrac"] = peer_clip_fraction(agent_metrics)
             for key, value in agent_metrics.items():
                 # verl's worker reports loss, grad_norm, lr, perf/... bare; group them under actor/
-                group = key if key.startswith(("actor/", "hacpo/")) else f"actor/{key}"
+                group = key if key.startswith(("actor/", "hacpo/", "graft/")) else f"actor/{key}"
                 metrics[f"agent/{name}/{group}"] = value
 
     def _dump_learner_batches(self, batches: dict[str, DataProto]) -> None:
@@ -505,6 +519,7 @@ _LEARNER_TENSORS = (
     "prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
     "old_log_probs", K.REWARD, K.SOURCE, K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN, K.SOURCE_RESPONSE_LENGTH,
 )
+_LEARNER_TENSORS_IF_SET = (K.GROUP_ADVANTAGE,)  # mode graft: every part carries it
 
 
 def _concat_rows(parts: list[DataProto]) -> DataProto:
@@ -512,6 +527,7 @@ def _concat_rows(parts: list[DataProto]) -> DataProto:
     trimmed = []
     for p in parts:
         tensors = {k: p.batch[k] for k in _LEARNER_TENSORS}
+        tensors.update({k: p.batch[k] for k in _LEARNER_TENSORS_IF_SET if k in p.batch.keys()})
         non_tensors = {k: p.non_tensor_batch[k] for k in _LEARNER_NON_TENSOR if k in p.non_tensor_batch}
         trimmed.append(DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(parts[0].meta_info)))
     keys = set.intersection(*(set(t.non_tensor_batch) for t in trimmed))

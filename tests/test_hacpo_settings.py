@@ -121,7 +121,7 @@ def test_named_cross_clips():
 
 # (override, the key it must name); every key has at least one bad value here
 BAD = [
-    ("algorithm.hacpo.mode=shared", "mode", "must be one of hacpo, naive, isolated"),
+    ("algorithm.hacpo.mode=shared", "mode", "must be one of hacpo, naive, isolated, graft"),
     ("algorithm.hacpo.capability_baseline=maybe", "capability_baseline", "must be true or false"),
     ("algorithm.hacpo.discrepancy_coefficient=2", "discrepancy_coefficient", "must be true or false"),
     ("algorithm.hacpo.alpha=-1", "alpha", "must be >= 0"),
@@ -138,6 +138,11 @@ BAD = [
     ("algorithm.hacpo.omega_clip=[0.5]", "omega_clip", "two numbers"),
     ("algorithm.hacpo.norm_by_std=yes", "norm_by_std", "must be true or false"),
     ("algorithm.hacpo.baseline_cap=inf", "baseline_cap", "must be a finite number"),
+    ("algorithm.hacpo.graft_balance=1", "graft_balance", "must be true or false"),
+    ("algorithm.hacpo.graft_weight=no_gate", "graft_weight", "must be true or false"),
+    ("algorithm.hacpo.graft_floor=1.0", "graft_floor", r"must be in \[0, 1\) or null"),
+    ("algorithm.hacpo.graft_ratio=seq", "graft_ratio", "must be one of token, sequence"),
+    ("algorithm.hacpo.graft_order=random", "graft_order", "must be one of last, first, uniform"),
     ("+algorithm.hacpo.alhpa=1", "alhpa", "unknown key"),
 ]
 

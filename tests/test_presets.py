@@ -192,6 +192,9 @@ METHODS = {
     "gspo": ("isolated", "gspo", (3e-4, 4e-4), 8, 512, 2),
     "gspo2x": ("isolated", "gspo", (3e-4, 4e-4), 16, 512, 4),
     "grpo": ("isolated", "vanilla", (0.2, 0.28), 8, 512, 2),
+    # GRAFT's own loss replaces verl's (loss_mode not read); the paper's 32-prompt updates, each
+    # prompt one agent's group of 8
+    "graft": ("graft", None, (0.2, 0.28), 8, 256, 4),
 }
 
 
@@ -207,10 +210,10 @@ def test_every_method_makes_the_papers_updates(preset, method):
     assert (hacpo.alpha, hacpo.delta_step) == (alpha, delta_step) and 1 - hacpo.delta == pytest.approx(lower)
     for spec in specs:
         actor = agent_verl_config(cfg, spec).actor_rollout_ref.actor
-        assert actor.policy_loss.loss_mode == loss_mode
+        assert loss_mode is None or actor.policy_loss.loss_mode == loss_mode
         assert (actor.clip_ratio_low, actor.clip_ratio_high) == clip
         assert spec.rollout_n == n
-        rows_per_prompt = sum(s.rollout_n for s in specs) if hacpo.shares else spec.rollout_n
+        rows_per_prompt = sum(s.rollout_n for s in specs) if hacpo.shares and mode != "graft" else spec.rollout_n
         assert actor.ppo_mini_batch_size * rows_per_prompt == rows_per_update
         assert cfg.data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs == updates
 

@@ -41,8 +41,7 @@ def hacpo_actor_loss(
     `record(update_index=, lower_bound=, own_rows=, cross_rows=)`, when given, receives what
     this micro-batch's loss used (the worker keeps it per mini-batch, see hacpo_worker).
     """
-    from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
-    from verl.utils import tensordict_utils as tu
+    from verl.trainer.ppo.core_algos import agg_loss
     from verl.utils.metric import AggregationType, Metric
     from verl.workers.utils.padding import no_padding_2_padding
 
@@ -51,22 +50,8 @@ def hacpo_actor_loss(
     if entropy is not None:
         entropy = no_padding_2_padding(entropy, data)
 
-    batch_info = {
-        "dp_size": data["dp_size"],
-        "batch_num_tokens": data["batch_num_tokens"],
-        "global_batch_size": data["global_batch_size"],
-        "loss_scale_factor": actor_config.loss_scale_factor,
-    }
-    # partial micro-batch losses add up to the mini-batch mean, so their metric is a SUM
-    summed = batch_info["dp_size"] > 1 or batch_info["global_batch_size"] is not None
-    aggregation = AggregationType.SUM if summed else AggregationType.MEAN
-    update_index = tu.get_non_tensor_data(data=data, key=K.UPDATE_INDEX, default=None)
-    if update_index is None:
-        # without m the stepwise bound would silently stay at 1 − δ (spec §5)
-        raise RuntimeError(
-            f"HACPO loss: the micro-batch carries no {K.UPDATE_INDEX}; the actor must be HacpoTrainingWorker"
-        )
-    update_index = int(update_index)
+    batch_info, aggregation = _batch_info(actor_config, data)
+    update_index = _update_index(data)
 
     padded = data.select(*loss_fields(hacpo, actor_config.use_kl_loss)).to_padded_tensor()
     response_mask = padded["response_mask"].to(bool)
@@ -105,26 +90,137 @@ def hacpo_actor_loss(
         metrics["hacpo/cross_ratio_min"] = Metric(value=float("inf"), aggregation=AggregationType.MIN)
         metrics["hacpo/cross_ratio_max"] = Metric(value=float("-inf"), aggregation=AggregationType.MAX)
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=aggregation)
-    total = pg_loss
+    total = _regularised(
+        actor_config, pg_loss, log_prob, entropy, padded, response_mask, "seq-mean-token-mean",
+        batch_info, aggregation, metrics,
+    )
+    _check_finite(total, pg_loss, update_index)
+    return total, metrics
 
+
+def _batch_info(actor_config, data: TensorDict):
+    """verl's global batch info of this micro-batch, and how its per-micro-batch losses combine."""
+    from verl.utils.metric import AggregationType
+
+    batch_info = {
+        "dp_size": data["dp_size"],
+        "batch_num_tokens": data["batch_num_tokens"],
+        "global_batch_size": data["global_batch_size"],
+        "loss_scale_factor": actor_config.loss_scale_factor,
+    }
+    # partial micro-batch losses add up to the mini-batch mean, so their metric is a SUM
+    summed = batch_info["dp_size"] > 1 or batch_info["global_batch_size"] is not None
+    return batch_info, AggregationType.SUM if summed else AggregationType.MEAN
+
+
+def _update_index(data: TensorDict) -> int:
+    from verl.utils import tensordict_utils as tu
+
+    update_index = tu.get_non_tensor_data(data=data, key=K.UPDATE_INDEX, default=None)
+    if update_index is None:
+        # without m the stepwise bound would silently stay at 1 − δ (spec §5)
+        raise RuntimeError(
+            f"HACPO loss: the micro-batch carries no {K.UPDATE_INDEX}; the actor must be HacpoTrainingWorker"
+        )
+    return int(update_index)
+
+
+def _regularised(actor_config, pg_loss, log_prob, entropy, padded, response_mask, agg_mode, batch_info, aggregation, metrics):
+    """pg_loss − entropy_coeff·entropy (+ kl_loss_coef·KL to the reference), as verl's actor loss."""
+    from verl.trainer.ppo.core_algos import agg_loss, kl_penalty
+    from verl.utils.metric import Metric
+
+    total = pg_loss
     if entropy is not None:
-        entropy_loss = agg_loss(entropy, response_mask, "seq-mean-token-mean", **batch_info)
+        entropy_loss = agg_loss(entropy, response_mask, agg_mode, **batch_info)
         total = total - actor_config.entropy_coeff * entropy_loss
         metrics["actor/entropy_loss"] = Metric(value=entropy_loss, aggregation=aggregation)
-
     if actor_config.use_kl_loss:
         kld = kl_penalty(logprob=log_prob, ref_logprob=padded["ref_log_prob"], kl_penalty=actor_config.kl_loss_type)
-        kl_loss = agg_loss(kld, response_mask, "seq-mean-token-mean", **batch_info)
+        kl_loss = agg_loss(kld, response_mask, agg_mode, **batch_info)
         total = total + actor_config.kl_loss_coef * kl_loss
         metrics["actor/kl_loss"] = Metric(value=kl_loss, aggregation=aggregation)
         metrics["actor/kl_coef"] = actor_config.kl_loss_coef
+    return total
 
+
+def _check_finite(total, pg_loss, update_index: int) -> None:
     if not torch.isfinite(total):
         # A NaN loss would poison the optimizer state for every later step; fail loudly here.
         raise FloatingPointError(
             f"HACPO loss is not finite (pg_loss={float(pg_loss)}, update m={update_index}); "
             "check rewards and log-probs of this batch"
         )
+
+
+def graft_actor_loss(
+    actor_config,
+    hacpo: HacpoSettings,
+    model_output,
+    data: TensorDict,
+    dp_group=None,
+    record: Callable[..., None] | None = None,
+):
+    """Loss of one micro-batch under `mode=graft` (docs/ALGORITHM.md, GRAFT G4), for verl's FSDP engine.
+
+    verl's vanilla PPO-clip term (with its dual clip `actor.clip_ratio_c`) against the receiver's
+    own old log-probs on every row, each row's term times its compatibility weight w
+    (`GRAFT_WEIGHT`), token-mean over the mini-batch's tokens (grafted rows dropped by the floor
+    carry a zero response_mask, so they are not counted). With no grafted row it is verl's GRPO
+    loss. Entropy and KL terms as verl's, token-mean. Reads `hacpo.graft_ratio`.
+    `record` as for `hacpo_actor_loss` (lower_bound None: GRAFT has no stepwise bound).
+    """
+    from verl.trainer.ppo.core_algos import agg_loss
+    from verl.utils.metric import AggregationType, Metric
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from recipe_hacpo.graft import graft_policy_loss_matrix
+
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    entropy = model_output.get("entropy", None)
+    if entropy is not None:
+        entropy = no_padding_2_padding(entropy, data)
+    batch_info, aggregation = _batch_info(actor_config, data)
+    update_index = _update_index(data)
+    fields = ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.GRAFT_WEIGHT]
+    if actor_config.use_kl_loss:
+        fields.append("ref_log_prob")
+    padded = data.select(*fields).to_padded_tensor()
+    response_mask = padded["response_mask"].to(bool)
+    grafted = padded[K.IS_CROSS].bool()
+    loss_mat, pg_metrics = graft_policy_loss_matrix(
+        log_prob,
+        padded["old_log_probs"],
+        padded["advantages"],
+        response_mask,
+        weight=padded[K.GRAFT_WEIGHT],
+        is_grafted=grafted,
+        clip_ratio_low=_clip(actor_config, "low"),
+        clip_ratio_high=_clip(actor_config, "high"),
+        clip_ratio_c=float(actor_config.clip_ratio_c),
+        ratio_level=hacpo.graft_ratio,
+    )
+    if record is not None:
+        record(update_index=update_index, lower_bound=None, own_rows=int((~grafted).sum()), cross_rows=int(grafted.sum()))
+    # GRAFT is token-mean over the mini-batch (G4) whatever actor.loss_agg_mode says
+    pg_loss = agg_loss(loss_mat, response_mask, "token-mean", **batch_info)
+    metrics = {
+        key: Metric(value=value, aggregation=AggregationType.MEAN)
+        for key, value in pg_metrics.items()
+        if not key.startswith("graft/peer_")
+    }
+    # the peer-token clip fraction of the step is clipped / all grafted tokens: both counts are
+    # summed over micro-batches and ranks here, and the trainer divides their step means
+    peer_tokens = float((response_mask & grafted.unsqueeze(-1)).sum())
+    metrics["graft/peer_clipped_tokens"] = Metric(
+        value=pg_metrics["graft/peer_clipfrac"] * peer_tokens, aggregation=AggregationType.SUM
+    )
+    metrics["graft/peer_tokens"] = Metric(value=peer_tokens, aggregation=AggregationType.SUM)
+    metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=aggregation)
+    total = _regularised(
+        actor_config, pg_loss, log_prob, entropy, padded, response_mask, "token-mean", batch_info, aggregation, metrics
+    )
+    _check_finite(total, pg_loss, update_index)
     return total, metrics
 
 

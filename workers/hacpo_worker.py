@@ -2,7 +2,8 @@
 
 Two differences from verl's worker, both by subclassing:
 - in the sharing modes (hacpo, naive) the actor's loss function is `hacpo_actor_loss` (own
-  GSPO rows + reweighted cross rows); in isolated mode verl's own loss stays installed, so
+  GSPO rows + reweighted cross rows), in mode graft `graft_actor_loss` (PPO-clip against the
+  receiver's old policy, weighted by w); in isolated mode verl's own loss stays installed, so
   `actor.policy_loss.loss_mode` selects verl's gspo or vanilla (GRPO) loss as in verl;
 - the inner training worker numbers the optimizer updates of a training step, so the loss
   knows m of spec §5 (stepwise clipping) for every mini-batch, across ppo epochs, and keeps a
@@ -20,7 +21,7 @@ from tensordict import TensorDict
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.hacpo_settings import HacpoSettings
-from recipe_hacpo.workers.hacpo_loss import hacpo_actor_loss
+from recipe_hacpo.workers.hacpo_loss import graft_actor_loss, hacpo_actor_loss
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
@@ -106,9 +107,9 @@ class HacpoActorRolloutRefWorker(ActorRolloutRefWorker):
         super().init_model()
         if self._is_actor and self.hacpo_loss is not None:
             actor_config = omega_conf_to_dataclass(self.config.actor)
-            self.loss_fn = partial(
-                hacpo_actor_loss, actor_config, self.hacpo_loss, record=self.actor.record_micro_batch
-            )
+            # mode=graft trains with GRAFT's weighted PPO-clip loss, hacpo / naive with HACPO's
+            loss = graft_actor_loss if self.hacpo_loss.mode == "graft" else hacpo_actor_loss
+            self.loss_fn = partial(loss, actor_config, self.hacpo_loss, record=self.actor.record_micro_batch)
             self.actor.set_loss_fn(self.loss_fn)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

@@ -1,0 +1,162 @@
+"""GRAFT's exchange and advantages inside the multi-agent trainer (`algorithm.hacpo.mode=graft`).
+
+`HacpoTrainer.exchange` and `HacpoTrainer.advantages` hand over to these two functions in mode
+graft; everything else of the step (generate, score, old log-probs, update, weight sync) is
+the trainer's. docs/ALGORITHM.md, GRAFT:
+
+    G1  k_M(q) from the verifier's rewards, `graft.graft_selection` → the source of every
+        receiver's group (−1: its own)
+    G2  every agent's GRPO advantage on its own full group, before anything is exchanged; a
+        grafted row carries its source's (`batch_keys.GROUP_ADVANTAGE` travels with the row)
+    G3  one more forward of the receiver over its grafted rows only: its old log-probs of
+        their re-tokenized text (the ratio's denominator) and w against the source's own
+    G4  the loss in the workers (`workers.hacpo_loss.graft_actor_loss`)
+    G5  the mini-batch order in `AgentRuntime.update` (`graft.graft_mini_batch_order`)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from recipe_hacpo import batch_keys as K
+from recipe_hacpo.exchange import mean_log_prob_per_response
+from recipe_hacpo.graft import compatibility_weight, graft_selection, grpo_advantage
+from verl import DataProto
+
+if TYPE_CHECKING:
+    from recipe_hacpo.trainer import HacpoTrainer
+
+
+def correct_counts(rollouts: dict[str, DataProto], names: list[str]) -> tuple[list[str], torch.Tensor]:
+    """The step's prompts (uids in batch order) and k_M(q) of every agent, long [N, Q].
+
+    A response counts as correct when its reward is positive (the verifier's rewards are 0/1).
+    """
+    uids = list(dict.fromkeys(rollouts[names[0]].non_tensor_batch["uid"].tolist()))
+    where = {u: i for i, u in enumerate(uids)}
+    correct = torch.zeros(len(names), len(uids), dtype=torch.long)
+    for a, name in enumerate(names):
+        batch = rollouts[name]
+        q = torch.as_tensor([where[u] for u in batch.non_tensor_batch["uid"].tolist()], dtype=torch.long)
+        correct[a].index_add_(0, q, (batch.batch[K.REWARD] > 0).long())
+    return uids, correct
+
+
+def graft_exchange(trainer: "HacpoTrainer", rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
+    """Learner batches of mode graft: per prompt, the receiver's own group or one source's whole group."""
+    from recipe_hacpo.trainer import _concat_rows, _tag
+
+    specs = trainer.specs
+    names = [s.name for s in specs]
+    for name in names:  # G2: on the full group, before anything is exchanged or dropped
+        batch = rollouts[name]
+        batch.batch[K.GROUP_ADVANTAGE] = grpo_advantage(batch.batch[K.REWARD], batch.non_tensor_batch["uid"]).float()
+    uids, correct = correct_counts(rollouts, names)
+    sizes = torch.as_tensor([s.rollout_n for s in specs], dtype=torch.long)
+    source_of = graft_selection(correct, sizes, balance=trainer.hacpo.graft_balance)  # [N_R, Q]
+    prompt_of = {u: i for i, u in enumerate(uids)}
+
+    def rows_for(name: str, receiver: int, wanted: int) -> torch.Tensor:
+        """Row numbers of `name`'s rollouts on the prompts whose group `receiver` takes from `wanted`."""
+        q = [prompt_of[u] for u in rollouts[name].non_tensor_batch["uid"].tolist()]
+        return torch.nonzero(source_of[receiver, q] == wanted).flatten()
+
+    batches = {}
+    for learner in specs:
+        own = rows_for(learner.name, learner.index, -1)
+        parts = [_tag(rollouts[learner.name].select_idxs(own), source=learner.index, cross=False, omega=1.0)]
+        for src in specs:
+            rows = rows_for(src.name, learner.index, src.index) if src.name != learner.name else own[:0]
+            if len(rows):
+                converted = trainer.exchanges[(src.name, learner.name)].convert(rollouts[src.name].select_idxs(rows))
+                parts.append(_tag(converted, source=src.index, cross=True, omega=1.0))
+        # a receiver may have no own group left, never no group at all (every prompt has one)
+        batches[learner.name] = _concat_rows([p for p in parts if len(p)])
+        metrics[f"agent/{learner.name}/graft/groups_received"] = float((source_of[learner.index] >= 0).sum())
+        metrics[f"agent/{learner.name}/graft/groups_given"] = float((source_of == learner.index).sum())
+    _weigh_grafted_rows(trainer, batches, metrics)
+    for name, batch in batches.items():
+        metrics[f"agent/{name}/cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
+    return batches
+
+
+def _weigh_grafted_rows(trainer: "HacpoTrainer", batches: dict[str, DataProto], metrics: dict) -> None:
+    """G3: the receiver's old log-probs of its grafted rows (one forward over them only), w and the gate.
+
+    A grafted row the floor drops keeps its place in the batch (so every group keeps n rows and
+    the mini-batches their size) with a zeroed response_mask: it is in neither the loss nor the
+    token count. w is fixed for the whole update.
+    """
+    grafted_rows = {name: torch.nonzero(b.batch[K.IS_CROSS]).flatten() for name, b in batches.items()}
+    old = trainer._each(
+        lambda a: _old_log_prob_of_rows(a, batches[a.spec.name], grafted_rows[a.spec.name]),
+        phase="graft_old_log_prob",
+    )
+    settings = trainer.hacpo
+    for name, batch in batches.items():
+        rows = grafted_rows[name]
+        weight = torch.ones(len(batch), dtype=torch.float32)
+        if len(rows):
+            mask = batch.batch["response_mask"]
+            lp = old[name]
+            if not torch.isfinite(lp[mask[rows].bool()]).all():
+                raise FloatingPointError(f"agent {name!r}: non-finite old log-probs of grafted rows; stopping before any update")
+            batch.batch["old_log_probs"][rows] = lp
+            w, admitted = compatibility_weight(
+                mean_log_prob_per_response(lp, mask[rows]),
+                batch.batch[K.SOURCE_LOG_PROB_MEAN][rows],
+                torch.ones(len(rows), dtype=torch.bool),
+                delta=settings.graft_floor,
+                gate=settings.graft_weight,
+            )
+            weight[rows] = w
+            dropped = rows[~admitted]
+            mask[dropped] = 0
+            metrics[f"agent/{name}/graft/admitted"] = float(admitted.sum())
+            metrics[f"agent/{name}/graft/dropped"] = float((~admitted).sum())
+            metrics[f"agent/{name}/graft/weight_mean"] = float(w[admitted].mean()) if admitted.any() else 0.0
+        else:
+            metrics[f"agent/{name}/graft/admitted"] = 0.0
+            metrics[f"agent/{name}/graft/dropped"] = 0.0
+        batch.batch[K.GRAFT_WEIGHT] = weight
+
+
+def _old_log_prob_of_rows(agent, batch: DataProto, rows: torch.Tensor) -> torch.Tensor | None:
+    """The receiver's old log-probs of `rows` of its batch, [len(rows), T] (None when there are none).
+
+    verl's engine cuts a log-prob call into equal micro-batches of
+    `rollout.log_prob_micro_batch_size_per_gpu` on each of its ranks and refuses a row count that
+    does not divide; the number of grafted rows changes every step, so the call is padded by
+    repeating the first grafted row, and the padding's outputs are discarded.
+    """
+    if not len(rows):
+        return None
+    rollout = agent.config.actor_rollout_ref.rollout
+    micro = 1 if rollout.get("log_prob_use_dynamic_bsz", False) else int(rollout.log_prob_micro_batch_size_per_gpu or 1)
+    unit = micro * agent.wg.world_size
+    padded = torch.cat([rows, rows[:1].repeat((-len(rows)) % unit)])
+    return agent.old_log_prob(batch.select_idxs(padded))[: len(rows)]
+
+
+def graft_advantages(batches: dict[str, DataProto], metrics: dict) -> None:
+    """G2: every row's advantage is its generating agent's GRPO advantage on its own full group."""
+    for name, batch in batches.items():
+        adv = batch.batch[K.GROUP_ADVANTAGE]
+        mask = batch.batch["response_mask"]
+        batch.batch["advantages"] = adv.float().unsqueeze(-1) * mask
+        batch.batch["returns"] = batch.batch["advantages"]
+        metrics[f"agent/{name}/advantage/mean"] = float(adv.mean())
+        metrics[f"agent/{name}/advantage/abs_mean"] = float(adv.abs().mean())
+
+
+def peer_clip_fraction(update_metrics: dict[str, float]) -> float | None:
+    """graft/peer_clipfrac of one agent's step from the loss's summed token counts (None: no grafted token)."""
+    tokens = update_metrics.get("graft/peer_tokens", 0.0)
+    if not tokens:
+        return None
+    return float(update_metrics["graft/peer_clipped_tokens"] / tokens)
+
+
+__all__ = ["correct_counts", "graft_exchange", "graft_advantages", "peer_clip_fraction"]

@@ -1,0 +1,141 @@
+"""End to end: `python -m recipe_hacpo.main` with `algorithm.hacpo.mode=graft` through Ray on CPU,
+tiny agents with different tokenizers, 2 agents with checkpoint and resume, and 3 agents."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from test_e2e import agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
+
+from recipe_hacpo import batch_keys as K
+from recipe_hacpo.graft import grpo_advantage
+
+pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+
+GRAFT = ["algorithm.hacpo.mode=graft", "actor_rollout_ref.actor.clip_ratio_low=0.2",
+         "actor_rollout_ref.actor.clip_ratio_high=0.28"]
+G, PROMPTS = 4, 8  # hacpo_cpu_demo: rollout_n 4, 8 prompts a step
+
+
+@pytest.fixture(scope="module")
+def graft_run(tmp_path_factory, warm_agent_paths):
+    out = str(tmp_path_factory.mktemp("graft2"))
+    kinds = ["qwen2-char-small", "llama-pair-medium"]
+    # without balancing a graft needs one direction only, so the tiny agents graft in most steps
+    records = run_main(
+        out,
+        agent_overrides(warm_agent_paths, kinds) + GRAFT
+        + ["algorithm.hacpo.graft_balance=false", "trainer.total_training_steps=2", "trainer.save_freq=1",
+           "trainer.test_freq=-1", "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches"],
+    )
+    return out, records, kinds
+
+
+def _groups(batch):
+    uid = batch.non_tensor_batch["uid"]
+    return {u: np.flatnonzero(uid == u) for u in dict.fromkeys(uid.tolist())}
+
+
+def test_graft_two_agents_learner_batches(graft_run, warm_agent_paths):
+    from verl import DataProto
+
+    out, records, kinds = graft_run
+    steps = train_steps(records)
+    names = ["qwen_char", "llama_pair"]
+    assert sorted(steps) == [1, 2]
+    assert_finite_losses(steps, names)
+    grafted_somewhere = 0
+    for step in (1, 2):
+        batches = {n: DataProto.load_from_disk(os.path.join(out, "batches", f"step_{step}", f"{n}.pkl")) for n in names}
+        given = {n: 0 for n in names}
+        for k, name in enumerate(names):
+            b, m = batches[name], steps[step]
+            groups = _groups(b)
+            # every prompt once, each a whole group of one agent: the receiver's own or one source's
+            assert len(groups) == PROMPTS and all(len(rows) == G for rows in groups.values())
+            src, cross = b.batch[K.SOURCE], b.batch[K.IS_CROSS]
+            mask = b.batch["response_mask"]
+            received = 0
+            for u, rows in groups.items():
+                rows_t = torch.as_tensor(rows)
+                assert len(set(src[rows_t].tolist())) == 1
+                if not cross[rows_t].any():
+                    continue
+                received += 1
+                s = int(src[rows_t[0]])
+                given[names[s]] += 1
+                # the source's group has a success and a failure; its own GRPO advantages, fixed
+                rewards = b.batch[K.REWARD][rows_t]
+                assert 0 < int((rewards > 0).sum()) < G
+                expected = grpo_advantage(rewards, np.array([u] * G))
+                assert torch.allclose(b.batch[K.GROUP_ADVANTAGE][rows_t], expected.float(), atol=1e-6)
+                # the source's own group of that prompt is in the source's batch, mixed as well
+                peer = batches[names[s]]
+                peer_rows = torch.as_tensor(_groups(peer)[u])
+                assert not peer.batch[K.IS_CROSS][peer_rows].any()
+                assert torch.equal(peer.batch[K.REWARD][peer_rows], rewards)
+            assert m[f"agent/{name}/graft/groups_received"] == received
+            assert m[f"agent/{name}/cross/rows"] == received * G
+            # w: 1 on own rows; on grafted rows in (δ, 1] or 0 with the row's tokens masked out
+            w = b.batch[K.GRAFT_WEIGHT]
+            assert torch.all(w[~cross] == 1.0)
+            dropped = cross & (w == 0)
+            admitted = cross & (w > 0)
+            assert torch.all((w[admitted] > 0.8) & (w[admitted] <= 1.0))
+            assert int(mask[dropped].sum()) == 0 and torch.all(mask[admitted].sum(-1) > 0)
+            assert m[f"agent/{name}/graft/admitted"] == int(admitted.sum())
+            assert m[f"agent/{name}/graft/dropped"] == int(dropped.sum())
+            if admitted.any():
+                assert m[f"agent/{name}/graft/weight_mean"] == pytest.approx(float(w[admitted].mean()), rel=1e-5)
+                # the receiver's own old log-probs of the grafted text (its extra forward), not zeros
+                lp = b.batch["old_log_probs"][admitted][mask[admitted].bool()]
+                assert torch.isfinite(lp).all() and bool((lp < 0).all())
+                assert 0 <= m[f"agent/{name}/graft/peer_clipfrac"] <= 1
+            # the advantage the loss reads is the fixed one, on admitted tokens only
+            assert torch.allclose(b.batch["advantages"], b.batch[K.GROUP_ADVANTAGE].unsqueeze(-1) * mask)
+            grafted_somewhere += received
+        for name in names:
+            assert steps[step][f"agent/{name}/graft/groups_given"] == given[name]
+    assert grafted_somewhere > 0, "no group was grafted in two steps; the test checked nothing"
+    for kind, name in zip(kinds, names):
+        assert_weights_changed(warm_agent_paths[kind], os.path.join(out, "ckpt", "global_step_2", name))
+
+
+def test_graft_resume_continues_from_checkpoint(graft_run, warm_agent_paths):
+    out, _, kinds = graft_run
+    records = run_main(
+        out,
+        agent_overrides(warm_agent_paths, kinds) + GRAFT
+        + ["algorithm.hacpo.graft_balance=false", "trainer.total_training_steps=3", "trainer.save_freq=1",
+           "trainer.test_freq=-1", "trainer.resume_mode=auto"],
+    )
+    steps = train_steps(records)
+    assert sorted(steps) == [3], steps.keys()
+    assert_finite_losses(steps, ["qwen_char", "llama_pair"])
+    ckpt = os.path.join(out, "ckpt")
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "3"
+
+
+def test_graft_three_agents(tmp_path, warm_agent_paths):
+    kinds = ["qwen2-char-small", "qwen2-char-medium", "llama-pair-medium"]
+    records = run_main(
+        str(tmp_path),
+        agent_overrides(warm_agent_paths, kinds) + GRAFT
+        + ["trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1",
+           "trainer.val_before_train=false"],
+    )
+    steps = train_steps(records)
+    names = ["qwen_char", "qwen_mid", "llama_pair"]
+    assert_finite_losses(steps, names)
+    for step, m in steps.items():
+        received = sum(m[f"agent/{n}/graft/groups_received"] for n in names)
+        # with balancing and one source per receiver and prompt, every group given is received once
+        assert received == sum(m[f"agent/{n}/graft/groups_given"] for n in names)
+        for n in names:
+            assert m[f"agent/{n}/cross/rows"] == m[f"agent/{n}/graft/groups_received"] * G
+            assert m[f"agent/{n}/graft/admitted"] + m[f"agent/{n}/graft/dropped"] == m[f"agent/{n}/cross/rows"]
+    for kind, name in zip(kinds, names):
+        assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
