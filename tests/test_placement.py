@@ -284,7 +284,9 @@ def test_two_ray_nodes_each_agent_on_the_node_of_its_node_resource(tmp_path, tin
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VERL_"))}
     # one mode for the nodes and the trainer; a short temp dir keeps Ray's socket paths short
     ray_tmp = tempfile.mkdtemp(prefix="rt", dir="/tmp")
-    env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp, VERL_FILE_LOGGER_PATH=str(out / "metrics.jsonl"),
+    # RAY_agent_register_timeout_ms: a raylet waits 15 s for its dashboard agent, too short on 2 loaded cores
+    env.update(RAY_AUTH_MODE="disabled", RAY_TMPDIR=ray_tmp, RAY_agent_register_timeout_ms="120000",
+               VERL_FILE_LOGGER_PATH=str(out / "metrics.jsonl"),
                HACPO_DATA_DIR=os.path.join(REPO, "data"))
     try:
         # the namespace's first process is this bash: when it exits, the kernel ends every Ray process in it

@@ -81,6 +81,8 @@ def submit(cluster: SlurmCluster, name: str, agents: str, *, nodes: int, gpus: i
         "RAY_TMPDIR": str(cluster.root / "ray"),
         # a failing job ends in minutes, not in the default 15
         "RAY_WAIT_TIMEOUT": "240",
+        # a raylet waits 15 s for its dashboard agent; on 2 loaded cores importing it takes longer
+        "RAY_agent_register_timeout_ms": "120000",
         **env,
     }
     base = {k: v for k, v in cluster.env.items()
@@ -164,7 +166,8 @@ def test_one_node_job_completes_every_step_and_trains_both_agents(cluster, one_n
 
 
 def test_two_node_split_puts_each_agent_on_its_own_node(cluster, agents):
-    job, out = submit(cluster, "two", agents, nodes=2, gpus=1, PLACEMENT="split")
+    # the script's #SBATCH --exclusive gives the job both GPUs of each node: Ray gets one a node
+    job, out = submit(cluster, "two", agents, nodes=2, gpus=1, PLACEMENT="split", GPUS_PER_NODE="1")
     # which agent's workers run on which node, while the job runs: verl gives each worker of a
     # worker group WG_PREFIX (here hacpo_<agent>) in its environment
     seen: dict[str, set] = {name: set() for name in cluster.names}
