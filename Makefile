@@ -2,10 +2,13 @@
 # missing and reuses it when present; it is rebuilt when pyproject.toml changes.
 #
 #   make demo         the CPU demo (two tiny agents learn 3-digit addition together)
-#   make test         every test, as CI runs them (.ci/run calls this target)
-#   make test-quick   the tests that start no Ray cluster (675 tests; about 6 min on a
-#                     2-core machine)
-#   make venv         only create / refresh the environment
+#   make test         every test, as CI runs them (.ci/run calls this target): test-fast, then
+#                     test-vllm
+#   make test-fast    every test but the vLLM tier, in .venv
+#   make test-vllm    the vLLM tier (verl's vLLM servers on CPU), in .venv-vllm
+#   make test-quick   the tests that start no Ray cluster (about 6 min on a 2-core machine)
+#   make venv         only create / refresh the environment (.venv)
+#   make venv-vllm    only create / refresh the vLLM environment (.venv-vllm)
 #
 # Needs nothing but Python 3.10+ (PYTHON=python3.11 make test to pick one).
 
@@ -63,11 +66,20 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_ENV)/requirements.txt $(VLLM_ENV)/constrain
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash run_scripts/cpu_demo.sh
 
-test: $(STAMP)
-	$(VPY) -m pytest $(PYTEST_FLAGS)
+# both tiers, each in its own environment: every test but the vLLM tier in .venv, then the
+# vLLM tier in .venv-vllm
+test: test-fast test-vllm
+
+test-fast: $(STAMP)
+	$(VPY) -m pytest $(PYTEST_FLAGS) -m "not vllm"
+
+# the tier's module only: collecting every test module in .venv-vllm costs minutes
+VLLM_TESTS ?= tests/test_vllm_tier.py
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest $(PYTEST_FLAGS) -m vllm $(VLLM_TESTS)
 
 test-quick: $(STAMP)
-	$(VPY) -m pytest $(PYTEST_FLAGS) -m "not ray and not e2e"
+	$(VPY) -m pytest $(PYTEST_FLAGS) -m "not ray and not e2e and not vllm"
 
 clean-venv:
-	rm -rf $(VENV)
+	rm -rf $(VENV) $(VLLM_VENV)

@@ -1,6 +1,7 @@
 """End to end: `python -m recipe_hacpo.main` through Ray on CPU with tiny heterogeneous agents
-(different sizes, architectures and tokenizers), in hacpo, naive and isolated modes, with
-2 and 3 agents, checkpoint and resume."""
+(different sizes, architectures and tokenizers) and the `hf` rollout backend: three agents with a
+reference model, naive and isolated modes, agents sharing one pool. Two agents in HACPO mode run
+through vLLM in tests/test_vllm_tier.py."""
 
 from __future__ import annotations
 
@@ -74,53 +75,23 @@ def assert_finite_losses(steps: dict[int, dict], names: list[str]) -> None:
 
 
 # ----------------------------------------------------------------------------- HACPO, 2 agents
-@pytest.fixture(scope="module")
-def hacpo_run(tmp_path_factory, warm_agent_paths):
-    out = str(tmp_path_factory.mktemp("hacpo2"))
-    kinds = ["qwen2-char-small", "llama-pair-medium"]
-    records = run_main(
-        out,
-        agent_overrides(warm_agent_paths, kinds)
-        + ["trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.test_freq=2",
-           f"trainer.learner_batch_dir={out}/batches"],
-    )
-    return out, records, kinds
-
-
-def test_hacpo_two_agents_train_share_and_checkpoint(hacpo_run, warm_agent_paths):
-    out, records, kinds = hacpo_run
-    steps = train_steps(records)
-    assert sorted(steps) == [1, 2]
-    names = ["qwen_char", "llama_pair"]
-    assert_finite_losses(steps, names)
-    for name in names:
-        # cross samples reached every learner, and both directions of ω were logged
-        assert steps[2][f"agent/{name}/cross/rows"] > 0
-        assert steps[2][f"agent/{name}/hacpo/cross_frac"] > 0
-        assert 0 < steps[2][f"agent/{name}/capability"] <= 1
-        assert f"agent/{name}/val/hacpo/arith/add1/mean@1" in steps[2]
-    # ω^(j,k)·ω^(k,j) = 1 (the clamp [0.1, 10] is symmetric)
-    omega_product = steps[2]["agent/qwen_char/omega/llama_pair"] * steps[2]["agent/llama_pair/omega/qwen_char"]
-    assert omega_product == pytest.approx(1.0, rel=1e-5)
-    ckpt = os.path.join(out, "ckpt")
-    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "2"
-    assert not [d for d in os.listdir(ckpt) if d.endswith(".tmp")]
-    for kind, name in zip(kinds, names):
-        assert_weights_changed(warm_agent_paths[kind], os.path.join(ckpt, "global_step_2", name))
-
-
-def test_learner_batch_holds_own_and_retokenized_peer_rows(hacpo_run, warm_agent_paths):
+# Two agents in HACPO mode end to end (training, sharing, checkpoints, the learner batches) run
+# through verl's vLLM servers in the vLLM tier (tests/test_vllm_tier.py), which checks its
+# learner batches with `check_learner_batches`; resume after SIGKILL through the hf backend is in
+# tests/test_reliability.py.
+def check_learner_batches(step_dir: str, model_dirs: dict[str, str], prompts: int = 8, g: int = 4) -> None:
+    """The two-agent learner batches a HACPO step dumped (`trainer.learner_batch_dir`) hold each
+    agent's own G·prompts rows and its peer's, re-tokenized for the learner, with spec §2's
+    advantages and §3's ω for the tracker state of the step. `model_dirs`: {agent: model dir},
+    in agent order. Used by the vLLM tier (tests/test_vllm_tier.py) on its reference run."""
     from transformers import AutoTokenizer
     from verl import DataProto
 
-    out, _, kinds = hacpo_run
-    step_dir = os.path.join(out, "batches", "step_2")
     tracker = torch.load(os.path.join(step_dir, "tracker.pt"))
     caps = torch.tensor(np.maximum(np.mean(tracker["history"], axis=0), tracker["floor"]))
-    names = ["qwen_char", "llama_pair"]
-    toks = {n: AutoTokenizer.from_pretrained(warm_agent_paths[k]) for n, k in zip(names, kinds)}
+    names = list(model_dirs)
+    toks = {n: AutoTokenizer.from_pretrained(d) for n, d in model_dirs.items()}
     batches = {n: DataProto.load_from_disk(os.path.join(step_dir, f"{n}.pkl")) for n in names}
-    prompts, g = 8, 4
     for k, name in enumerate(names):
         b = batches[name]
         src = b.batch[K.SOURCE]
@@ -154,21 +125,6 @@ def test_learner_batch_holds_own_and_retokenized_peer_rows(hacpo_run, warm_agent
         expected_omega = (caps[src[cross]] / caps[k]).clamp(*tracker["omega_clip"]).float()
         assert torch.allclose(b.batch[K.OMEGA][cross], expected_omega, rtol=1e-6)
 
-
-def test_resume_continues_from_checkpoint(hacpo_run, warm_agent_paths):
-    out, _, kinds = hacpo_run
-    records = run_main(
-        out,
-        agent_overrides(warm_agent_paths, kinds)
-        + ["trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.resume_mode=auto"],
-    )
-    steps = train_steps(records)
-    assert sorted(steps) == [3], steps.keys()
-    ckpt = os.path.join(out, "ckpt")
-    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "3"
-    state = torch.load(os.path.join(ckpt, "global_step_3", "hacpo_state.pt"), weights_only=False)
-    assert state["global_step"] == 3
-    assert len(state["tracker"]["history"]) == 3  # the capability history survived the restart
 
 
 # ----------------------------------------------------------------------------- 3 agents, other modes

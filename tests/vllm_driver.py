@@ -1,0 +1,57 @@
+"""`python tests/vllm_driver.py [hydra overrides]`: `python -m recipe_hacpo.main` with two hooks
+the vLLM tier's tests use to look inside a run. Neither changes what the trainer computes unless
+asked for; both live here, not in the package.
+
+- HACPO_TEST_ACTORS_FILE=PATH: once every agent's workers and rollout servers are up, write
+  the names of the Ray cluster's named actors to PATH (JSON list): the per-agent server names.
+- HACPO_TEST_FREEZE_ROLLOUT=AGENT: that agent's rollout servers get its weights once (the
+  initial sync) and never again; its trainer side goes on as if every sync had happened. The
+  negative control of the weight-sync check: the engine's log-probs must then stop matching.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _record_named_actors(path: str) -> None:
+    from recipe_hacpo.trainer import HacpoTrainer
+
+    init_workers = HacpoTrainer.init_workers
+
+    def recording(self, *args, **kwargs):
+        init_workers(self, *args, **kwargs)
+        import ray
+
+        names = sorted(actor["name"] for actor in ray.util.list_named_actors(all_namespaces=True))
+        with open(path, "w") as f:
+            json.dump(names, f)
+
+    HacpoTrainer.init_workers = recording
+
+
+def _freeze_rollout(agent: str) -> None:
+    from recipe_hacpo.agent_runtime import AgentRuntime
+
+    sync_weights = AgentRuntime.sync_weights
+
+    def frozen(self, step):
+        if self.spec.name == agent and getattr(self, "_test_synced_once", False):
+            self.weights_version = step
+            self._rollout_awake = True
+            return
+        self._test_synced_once = True
+        sync_weights(self, step)
+
+    AgentRuntime.sync_weights = frozen
+
+
+if __name__ == "__main__":
+    if os.environ.get("HACPO_TEST_ACTORS_FILE"):
+        _record_named_actors(os.environ["HACPO_TEST_ACTORS_FILE"])
+    if os.environ.get("HACPO_TEST_FREEZE_ROLLOUT"):
+        _freeze_rollout(os.environ["HACPO_TEST_FREEZE_ROLLOUT"])
+    from recipe_hacpo.main import main
+
+    main()
