@@ -28,12 +28,12 @@ import subprocess
 import sys
 import tempfile
 
-import numpy as np
 import pytest
 import torch
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo import tiny_agents
+from test_reliability import _kill_during, _steps
 
 pytestmark = [pytest.mark.vllm]
 
@@ -59,6 +59,59 @@ def test_the_environment_is_vllm_cpu():
     assert current_platform.is_cpu()
     assert md.version("vllm-cpu") == "0.24.0" and md.version("vllm") == "0.24.0+cpu"
     assert md.version("torch").split("+")[0] == "2.11.0"
+
+
+def test_the_verl_and_vllm_hooks_the_server_relies_on():
+    """Touchpoint 17 (workers/verl_touchpoints.py): the names and signatures the server
+    subclass, its worker extension and the CPU checks use, in the installed verl and vLLM."""
+    import inspect
+
+    from verl.workers.rollout.vllm_rollout import bucketed_weight_transfer, vllm_async_server
+    from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
+    from vllm.model_executor.model_loader import reload
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from recipe_hacpo.workers import vllm_cpu, vllm_rollout
+
+    server = vllm_async_server.vLLMHttpServer
+    params = list(inspect.signature(server.generate).parameters)
+    assert params[:4] == ["self", "prompt_ids", "sampling_params", "request_id"], params
+    # verl only fills a seed the caller left out: the per-row seed survives
+    assert 'sampling_params.setdefault("seed"' in inspect.getsource(server.generate)
+    for hook in ("_init_config", "_get_worker_extension_cls", "set_global_steps"):
+        assert callable(getattr(server, hook)), hook
+    assert server._get_worker_extension_cls(None).endswith("vLLMColocateWorkerExtension")
+    assert issubclass(vllm_rollout.HacpoVLLMHttpServer, server)
+    assert vllm_rollout.HacpoVLLMHttpServer._get_worker_extension_cls(None) == vllm_rollout.WORKER_EXTENSION_FQN
+    extension = vllm_rollout.HacpoVLLMWorkerExtension
+    assert issubclass(extension, vLLMColocateWorkerExtension)
+    assert list(inspect.signature(vLLMColocateWorkerExtension.update_weights_from_ipc).parameters) == [
+        "self", "peft_config", "base_sync_done", "use_shm"]
+    for name in ("_update_weights", "_get_zmq_handle", "_iter_all_models_with_config"):
+        assert callable(getattr(vLLMColocateWorkerExtension, name)), name
+    assert {"zmq_handle", "device", "use_shm"} <= set(inspect.signature(bucketed_weight_transfer.BucketedWeightReceiver).parameters)
+    assert "on_bucket_received" in inspect.signature(bucketed_weight_transfer.BucketedWeightReceiver.receive_weights).parameters
+    assert list(inspect.signature(reload.initialize_layerwise_reload).parameters) == ["model"]
+    assert callable(reload.finalize_layerwise_reload)
+    assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == vllm_cpu.CPU_ATTENTION_HEAD_SIZES
+
+
+def test_an_agent_whose_head_size_vllm_cpu_refuses_stops_before_ray(tmp_path):
+    small = tiny_agents.build_agent(str(tmp_path), "qwen2-char-small")  # head size 16
+    ok = tiny_agents.build_agent(str(tmp_path), "llama-pair-h32")
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", "+rollout=vllm_cpu",
+         f"agents.0.model_path={small}", f"agents.1.model_path={ok}", f"hydra.run.dir={tmp_path}/hydra"],
+        cwd=REPO, env=dict(os.environ, HACPO_DATA_DIR=os.path.join(REPO, "data")), capture_output=True, text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [
+        f"error: agents[0].model_path={small!r} (qwen_char): head size 16 is not supported by vLLM's CPU attention "
+        "(supported: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512); use rollout.name=hf or another model"
+    ], proc.stderr[-3000:]
+    assert "Started a local Ray instance" not in proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
@@ -103,15 +156,6 @@ def _cmd(out: str, overrides: list[str]) -> list[str]:
 def _env(out: str, ray_tmp: str, **extra: str) -> dict:
     return dict(os.environ, VERL_FILE_LOGGER_PATH=os.path.join(out, "metrics.jsonl"),
                 HACPO_DATA_DIR=os.path.join(REPO, "data"), RAY_TMPDIR=ray_tmp, **extra)
-
-
-def _steps(out: str) -> dict[int, dict]:
-    path = os.path.join(out, "metrics.jsonl")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return {r["step"]: r["data"] for r in records if "training/global_step" in r["data"]}
 
 
 def _run(out: str, overrides: list[str], ray_tmp: str, timeout: int = 1500, **env: str) -> dict[int, dict]:
@@ -207,8 +251,6 @@ def test_g_samples_per_prompt_are_distinct_draws(reference):
 
 # ----------------------------------------------------------------------------- SIGKILL and resume
 def test_sigkill_mid_rollout_then_resume_reproduces_the_reference(reference, vllm_agents, ray_tmp, tmp_path):
-    from test_reliability import _kill_during
-
     ref_out, ref_steps, _ = reference
     work = str(tmp_path)
     ckpt = os.path.join(work, "ckpt")

@@ -65,6 +65,25 @@ the other numbers stay as they are cited elsewhere.
    with verl's `sort_placement_group_by_node_ip`. Its own `extra_resources` (an agent's
    `node_resource`) are added to every bundle.
 
+17. vLLM server behaviour (`workers/vllm_rollout.py`; numbered after the table below; contract test
+   `tests/test_vllm_tier.py::test_the_verl_and_vllm_hooks_the_server_relies_on`, in .venv-vllm):
+   - per-row seeds, GPU and CPU: `vLLMHttpServer.generate(prompt_ids, sampling_params, request_id,
+     ...)` sets `sampling_params.setdefault("seed", replica_rank + config.seed)` under
+     `full_determinism`, so a seed already in `sampling_params` is kept; `global_steps` is the
+     weights version the adapter sets (`set_global_steps`);
+   - CPU settings: `vLLMHttpServer._init_config(config)` returns the frozen `RolloutConfig`
+     dataclass every later read uses (`enable_sleep_mode`, `free_cache_engine`,
+     `enable_chunked_prefill` in `launch_server` / `sleep`);
+   - CPU weight reload: `vLLMHttpServer._get_worker_extension_cls()` names the class vLLM mixes
+     into its worker; `verl/workers/rollout/vllm_rollout/utils.py::vLLMColocateWorkerExtension`
+     with `update_weights_from_ipc(peft_config, base_sync_done, use_shm)`, `_update_weights`,
+     `_get_zmq_handle`, `_iter_all_models_with_config`, `device`; `bucketed_weight_transfer.py::
+     BucketedWeightReceiver(zmq_handle=, device=, use_shm=).receive_weights(on_bucket_received=)`;
+     vLLM 0.24.0's `vllm/model_executor/model_loader/reload` (`initialize_layerwise_reload(model)`,
+     `finalize_layerwise_reload(model, model_config)`) and `vllm.platforms.current_platform.is_cpu()`;
+   - vLLM 0.24.0's CPU attention head sizes (`vllm/v1/attention/backends/cpu_attn.py::
+     CPUAttentionBackend.get_supported_head_sizes`), copied in `workers/vllm_cpu.py`.
+
 Couplings that live outside this module, because they are the subclass or the data they
 concern (each with a contract test in tests/test_verl_touchpoints.py):
 
