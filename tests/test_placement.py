@@ -243,6 +243,7 @@ def test_two_ray_nodes_each_agent_on_the_node_of_its_node_resource(tmp_path, tin
     check refuses an agent that asks for more GPUs on one node than any node has, in one line,
     before any worker starts."""
     import json
+    import shlex
     import socket
     import subprocess
     import sys
@@ -269,7 +270,7 @@ def test_two_ray_nodes_each_agent_on_the_node_of_its_node_resource(tmp_path, tin
     ray = str(Path(py).with_name("ray"))
     probe = tmp_path / "probe.py"
     probe.write_text(PLACEMENT_PROBE)
-    q = subprocess.list2cmdline
+    q = shlex.join
     script = "\n".join([
         "set -u",
         f"{ray} start --head --node-ip-address=127.0.0.1 --port={port} --num-cpus=4 --num-gpus=2 "

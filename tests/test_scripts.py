@@ -214,7 +214,9 @@ def test_slurm_two_nodes_starts_head_worker_and_trainer(standins):
         "agents.1.nnodes=1",
     ):
         assert arg in trainer, arg
-    assert trainer[-1] == "trainer.total_training_steps=3"
+    # the split's overrides follow the user's, so an `agents=[...]` of theirs cannot drop them
+    user = trainer.index("trainer.total_training_steps=3")
+    assert user < trainer.index("agents.0.n_gpus_per_node=8") and user < trainer.index("++agents.1.node_resource=hacpo_split_1")
     assert env["RAY_ADDRESS"] == "10.0.0.1:6379" and env["PLACEMENT"] == "preset"
 
     # order: head and worker started, then the wait for every GPU, then the trainer, then the
@@ -274,7 +276,8 @@ def test_slurm_preset_without_pair_runs_the_trainer_itself(standins):
     trainer, env = _trainer(calls)
     assert trainer[1:5] == ["-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo"]
     assert "agents.0.n_gpus_per_node=1" in trainer and "++agents.1.node_resource=hacpo_split_1" in trainer
-    assert "++ray_kwargs.ray_init.num_gpus=null" in trainer and trainer[-1] == "trainer.total_training_steps=2"
+    assert "++ray_kwargs.ray_init.num_gpus=null" in trainer and trainer[-1] == "++agents.1.node_resource=hacpo_split_1"
+    assert "trainer.total_training_steps=2" in trainer
     assert any(a.startswith("hydra.run.dir=") and a.endswith("slurm-4242/hydra") for a in trainer)
     # the mode asked for is the one every process gets; no token in disabled mode
     everyone = [env for argv, env in calls if argv[0] in ("srun", "python")]
