@@ -260,7 +260,7 @@ def test_two_ray_nodes_each_agent_on_the_node_of_its_node_resource(tmp_path, tin
     )
     out = tmp_path / "run"
     common = [
-        "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", f"ray_kwargs.ray_init.address={address}",
+        "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", f"++ray_kwargs.ray_init.address={address}",
         "ray_kwargs.ray_init.num_cpus=null", "ray_kwargs.ray_init.num_gpus=null", "trainer.nnodes=2",
         "trainer.n_gpus_per_node=2", "trainer.total_training_steps=1", "trainer.save_freq=-1", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "trainer.progress_bar=false", "trainer.logger=[console,file]",

@@ -254,7 +254,8 @@ def test_sigkill_mid_rollout_then_resume_reproduces_the_reference(reference, vll
     ref_out, ref_steps, _ = reference
     work = str(tmp_path)
     ckpt = os.path.join(work, "ckpt")
-    common = _agents(vllm_agents, PAIR) + COMMON + ["trainer.test_freq=-1", f"trainer.default_local_dir={ckpt}"]
+    # the reference's own settings (validation at step 2 included), into a checkpoint root of its own
+    common = _agents(vllm_agents, PAIR) + COMMON + ["trainer.test_freq=2", f"trainer.default_local_dir={ckpt}"]
 
     killed = os.path.join(work, "killed")
     os.makedirs(killed)
