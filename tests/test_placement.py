@@ -236,7 +236,7 @@ while True:
 @pytest.mark.e2e
 @pytest.mark.ray
 def test_two_ray_nodes_each_agent_on_the_node_of_its_node_resource(tmp_path, tiny_agent_paths):
-    """Two Ray nodes on this machine (`ray start --head` + `ray start --address`, 2 logical GPUs
+    """Two Ray nodes on this machine (`ray start --head` + `ray start --address`, 3 logical GPUs
     each, custom resources node_a / node_b), in a PID namespace of the test's own, so that its
     end ends them and no other Ray on the machine is touched. Either node could hold both
     agents' GPUs: `agents.N.node_resource` alone puts each on its node. Then the placement
@@ -273,13 +273,13 @@ def test_two_ray_nodes_each_agent_on_the_node_of_its_node_resource(tmp_path, tin
     q = shlex.join
     script = "\n".join([
         "set -u",
-        f"{ray} start --head --node-ip-address=127.0.0.1 --port={port} --num-cpus=4 --num-gpus=2 "
+        f"{ray} start --head --node-ip-address=127.0.0.1 --port={port} --num-cpus=4 --num-gpus=3 "
         """--resources='{"node_a": 1}' --include-dashboard=false --disable-usage-stats >ray-head.log 2>&1 || exit 10""",
-        f"{ray} start --address={address} --node-ip-address=127.0.0.1 --num-cpus=4 --num-gpus=2 "
+        f"{ray} start --address={address} --node-ip-address=127.0.0.1 --num-cpus=4 --num-gpus=3 "
         """--resources='{"node_b": 1}' --disable-usage-stats >ray-worker.log 2>&1 || exit 11""",
         f"{py} {probe} {address} placement.json >probe.log 2>&1 &",
         f"{q([py, *common, f'agents=[{agents}]'])} >train.log 2>&1; echo $? >train.rc",
-        f"{q([py, *common, f'agents=[{agents}]', 'agents.0.n_gpus_per_node=3', '~agents.0.node_resource'])} "
+        f"{q([py, *common, f'agents=[{agents}]', 'agents.0.n_gpus_per_node=4', '~agents.0.node_resource'])} "
         ">toowide.log 2>&1; echo $? >toowide.rc",
     ])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VERL_"))}
@@ -304,9 +304,10 @@ def test_two_ray_nodes_each_agent_on_the_node_of_its_node_resource(tmp_path, tin
     pools = {a: {tuple(v) for k, v in seen.items() if k.startswith(f"hacpo_{a}verl_group")} for a in ("qwen_char", "llama_pair")}
     assert pools == {"qwen_char": {("node_a",)}, "llama_pair": {("node_b",)}}, seen
 
-    # 3 GPUs fit the cluster's 4 in total but no node of 2: one line, before any worker
+    # 4 GPUs (and the peer's 1) fit the cluster's 6 in total but no node of 3 (and 32 rows split
+    # over 4 GPUs, so no batch check comes first): one line, before any worker
     assert (tmp_path / "toowide.rc").read_text().strip() != "0"
     wide = logs["toowide.log"]
-    line = "agent qwen_char: needs 3 GPU on one node but the largest node has 2; lower n_gpus_per_node and raise nnodes"
+    line = "agent qwen_char: needs 4 GPU on one node but the largest node has 3; lower n_gpus_per_node and raise nnodes"
     assert sum(line in row for row in wide.splitlines()) == 1, wide
     assert "HacpoActorRolloutRefWorker" not in wide

@@ -305,7 +305,9 @@ def test_three_agents_and_the_sync_check_sees_a_withheld_sync(vllm_agents, ray_t
 
 # ----------------------------------------------------------------------------- evaluation
 def test_evaluate_a_trained_checkpoint_through_vllm(reference, tmp_path):
-    ref_out, _, _ = reference
+    """One vLLM engine per checkpoint process, greedy on the 64 validation prompts: the same
+    accuracy the trainer's validation (its vLLM servers, same weights) logged at step 2."""
+    ref_out, ref_steps, _ = reference
     out = str(tmp_path / "eval")
     cmd = [sys.executable, "-m", "recipe_hacpo.evaluate", "--backend", "vllm",
            "--agents-from", os.path.join(ref_out, "ckpt", "global_step_2"),
@@ -315,7 +317,8 @@ def test_evaluate_a_trained_checkpoint_through_vllm(reference, tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     metrics = json.load(open(os.path.join(out, "metrics.json")))
     table = open(os.path.join(out, "table.md")).read()
-    for name in (NAMES[k] for k in PAIR):
+    assert sorted(metrics) == sorted(NAMES[k] for k in PAIR), metrics.keys()
+    for name in metrics:
         assert name in table
-    assert len(metrics) == 2, metrics.keys()
-    print(table)
+        assert metrics[name]["add1"]["prompts"] == 64
+        assert metrics[name]["add1"]["value"] == ref_steps[2][f"agent/{name}/val/hacpo/arith/add1/mean@1"], name
