@@ -266,6 +266,8 @@ def test_two_ray_nodes_each_agent_on_the_node_of_its_node_resource(tmp_path, tin
         "trainer.val_before_train=false", "trainer.progress_bar=false", "trainer.logger=[console,file]",
         f"trainer.default_local_dir={out}/ckpt", f"hydra.run.dir={out}/hydra",
     ]
+    # 32 rows a mini-batch over 4 GPUs are 8 a GPU: micro-batches of 8, so the batch checks pass
+    per_gpu_8 = [f"actor_rollout_ref.{k}_micro_batch_size_per_gpu=8" for k in ("actor.ppo", "rollout.log_prob", "ref.log_prob")]
     py = sys.executable
     ray = str(Path(py).with_name("ray"))
     probe = tmp_path / "probe.py"
@@ -279,7 +281,7 @@ def test_two_ray_nodes_each_agent_on_the_node_of_its_node_resource(tmp_path, tin
         """--resources='{"node_b": 1}' --disable-usage-stats >ray-worker.log 2>&1 || exit 11""",
         f"{py} {probe} {address} placement.json >probe.log 2>&1 &",
         f"{q([py, *common, f'agents=[{agents}]'])} >train.log 2>&1; echo $? >train.rc",
-        f"{q([py, *common, f'agents=[{agents}]', 'agents.0.n_gpus_per_node=4', '~agents.0.node_resource'])} "
+        f"{q([py, *common, f'agents=[{agents}]', 'agents.0.n_gpus_per_node=4', '~agents.0.node_resource', *per_gpu_8])} "
         ">toowide.log 2>&1; echo $? >toowide.rc",
     ])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VERL_"))}
