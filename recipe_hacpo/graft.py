@@ -19,7 +19,6 @@ no floor δ (G3), a sequence-level ratio (G4), peer-first or uniform mini-batch 
 
 from __future__ import annotations
 
-import zlib
 from typing import Sequence
 
 import numpy as np
@@ -27,6 +26,7 @@ import torch
 
 from recipe_hacpo.core_algos import compute_hacpo_advantage
 from recipe_hacpo.hacpo_settings import GRAFT_RATIO_LEVELS, PEER_ORDERS
+from recipe_hacpo.minibatch import check_split, prompt_groups, prompt_permutation, verl_layout
 
 __all__ = [
     "GRAFT_RATIO_LEVELS",
@@ -357,44 +357,20 @@ def graft_mini_batch_order(
     """
     if peer_order not in PEER_ORDERS:
         raise ValueError(f"peer_order must be one of {PEER_ORDERS}, got {peer_order!r}")
-    uid = np.asarray(uid, dtype=object).astype(str)
     grafted = np.asarray(is_grafted, dtype=bool).reshape(-1)
-    if len(uid) != len(grafted):
-        raise ValueError(f"graft_mini_batch_order: {len(uid)} group ids but {len(grafted)} is_grafted flags")
-    groups, first = np.unique(uid, return_index=True)
-    groups = groups[np.argsort(first)]
-    rows_of: dict[str, list[int]] = {g: [] for g in groups}
-    for i, g in enumerate(uid):
-        rows_of[g].append(i)
+    groups, rows_of = prompt_groups(uid, grafted, "graft_mini_batch_order", "is_grafted")
     kind = {}
     for g, rows in rows_of.items():
         flags = set(grafted[rows].tolist())
         if len(flags) != 1:
             raise ValueError(f"graft_mini_batch_order: group {g!r} mixes own and grafted rows")
         kind[g] = flags.pop()
-    num_prompts = len(groups)
-    if mini_batch_prompts < 1 or num_prompts % mini_batch_prompts != 0:
-        raise ValueError(
-            f"graft_mini_batch_order: {num_prompts} prompts do not split into mini-batches of {mini_batch_prompts}"
-        )
-    if dp_size < 1 or mini_batch_prompts % dp_size != 0:
-        raise ValueError(
-            f"graft_mini_batch_order: a mini-batch of {mini_batch_prompts} prompts does not split over "
-            f"{dp_size} data-parallel ranks"
-        )
-    rng = np.random.default_rng([int(seed), zlib.crc32("\n".join(groups).encode())])
-    perm = [groups[p] for p in rng.permutation(num_prompts)]
+    check_split(len(groups), mini_batch_prompts, dp_size, "graft_mini_batch_order")
+    perm = [groups[p] for p in prompt_permutation(groups, seed)]
     own = [g for g in perm if not kind[g]]
     peer = [g for g in perm if kind[g]]
     sequence = {"last": own + peer, "first": peer + own, "uniform": perm}[peer_order]
-    per_slot = mini_batch_prompts // dp_size
-    order: list[int] = []
-    for rank in range(dp_size):
-        for m in range(num_prompts // mini_batch_prompts):
-            start = m * mini_batch_prompts + rank * per_slot
-            for g in sequence[start : start + per_slot]:
-                order.extend(rows_of[g])
-    return np.asarray(order, dtype=np.int64)
+    return verl_layout(sequence, rows_of, mini_batch_prompts=mini_batch_prompts, dp_size=dp_size)
 
 
 # ---------------------------------------------------------------------------------------

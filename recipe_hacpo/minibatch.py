@@ -42,25 +42,9 @@ def mini_batch_order(
     Returns:
         int64 [B]: `batch[order]` is the batch in update order.
     """
-    uid = np.asarray(uid, dtype=object).astype(str)
     is_cross = np.asarray(is_cross, dtype=bool).reshape(-1)
-    if len(uid) != len(is_cross):
-        raise ValueError(f"mini_batch_order: {len(uid)} group ids but {len(is_cross)} is_cross flags")
-    groups, first = np.unique(uid, return_index=True)
-    groups = groups[np.argsort(first)]  # prompts in batch order
-    num_prompts = len(groups)
-    if mini_batch_prompts < 1 or num_prompts % mini_batch_prompts != 0:
-        raise ValueError(
-            f"mini_batch_order: {num_prompts} prompts do not split into mini-batches of {mini_batch_prompts} prompts"
-        )
-    if dp_size < 1 or mini_batch_prompts % dp_size != 0:
-        raise ValueError(
-            f"mini_batch_order: a mini-batch of {mini_batch_prompts} prompts does not split into whole prompt "
-            f"groups over {dp_size} data-parallel ranks; make ppo_mini_batch_size a multiple of the rank count"
-        )
-    rows_of = {g: [] for g in groups}
-    for i, g in enumerate(uid):
-        rows_of[g].append(i)
+    groups, rows_of = prompt_groups(uid, is_cross, "mini_batch_order", "is_cross")
+    check_split(len(groups), mini_batch_prompts, dp_size, "mini_batch_order")
     # own rows first, then cross rows, each in batch order (a stable sort on is_cross)
     rows_of = {g: sorted(rows, key=lambda i: bool(is_cross[i])) for g, rows in rows_of.items()}
     sizes = {len(r) for r in rows_of.values()}
@@ -68,15 +52,51 @@ def mini_batch_order(
         raise ValueError(
             f"mini_batch_order: prompt groups have different sizes {sorted(sizes)}; every agent must answer every prompt"
         )
+    perm = prompt_permutation(groups, seed)
+    return verl_layout([groups[p] for p in perm], rows_of, mini_batch_prompts=mini_batch_prompts, dp_size=dp_size)
 
+
+def prompt_groups(uid, flags: np.ndarray, who: str, flag_name: str) -> tuple[np.ndarray, dict[str, list[int]]]:
+    """(group ids in batch order, {group id: its row numbers}) of a batch with one flag per row."""
+    uid = np.asarray(uid, dtype=object).astype(str)
+    if len(uid) != len(flags):
+        raise ValueError(f"{who}: {len(uid)} group ids but {len(flags)} {flag_name} flags")
+    groups, first = np.unique(uid, return_index=True)
+    groups = groups[np.argsort(first)]
+    rows_of: dict[str, list[int]] = {g: [] for g in groups}
+    for i, g in enumerate(uid):
+        rows_of[g].append(i)
+    return groups, rows_of
+
+
+def check_split(num_prompts: int, mini_batch_prompts: int, dp_size: int, who: str) -> None:
+    """Whole prompt groups must fill every mini-batch and split evenly over the ranks."""
+    if mini_batch_prompts < 1 or num_prompts % mini_batch_prompts != 0:
+        raise ValueError(
+            f"{who}: {num_prompts} prompts do not split into mini-batches of {mini_batch_prompts} prompts"
+        )
+    if dp_size < 1 or mini_batch_prompts % dp_size != 0:
+        raise ValueError(
+            f"{who}: a mini-batch of {mini_batch_prompts} prompts does not split into whole prompt "
+            f"groups over {dp_size} data-parallel ranks; make ppo_mini_batch_size a multiple of the rank count"
+        )
+
+
+def prompt_permutation(groups: np.ndarray, seed: int) -> np.ndarray:
+    """A permutation of the prompts fixed by the seed and the group ids (the same on any machine)."""
     digest = zlib.crc32("\n".join(groups).encode())
-    perm = np.random.default_rng([int(seed), digest]).permutation(num_prompts)
+    return np.random.default_rng([int(seed), digest]).permutation(len(groups))
+
+
+def verl_layout(sequence: Sequence[str], rows_of: dict[str, list[int]], *, mini_batch_prompts: int,
+                dp_size: int) -> np.ndarray:
+    """Rows in the order that makes verl's split give mini-batch m the prompts
+    sequence[m * mini_batch_prompts : (m + 1) * mini_batch_prompts], spread over the ranks."""
     per_slot = mini_batch_prompts // dp_size
-    num_mini = num_prompts // mini_batch_prompts
     order: list[int] = []
     for rank in range(dp_size):  # verl: contiguous chunk per rank ...
-        for m in range(num_mini):  # ... then contiguous mini-batches inside each chunk
+        for m in range(len(sequence) // mini_batch_prompts):  # ... then contiguous mini-batches inside it
             start = m * mini_batch_prompts + rank * per_slot
-            for p in perm[start : start + per_slot]:
-                order.extend(rows_of[groups[p]])
+            for g in sequence[start : start + per_slot]:
+                order.extend(rows_of[g])
     return np.asarray(order, dtype=np.int64)

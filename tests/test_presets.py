@@ -191,7 +191,11 @@ METHODS = {
     "naive": ("naive", "gspo", (3e-4, 4e-4), 8, 512, 4),
     "gspo": ("isolated", "gspo", (3e-4, 4e-4), 8, 512, 2),
     "gspo2x": ("isolated", "gspo", (3e-4, 4e-4), 16, 512, 4),
+    "gspo4x": ("isolated", "gspo", (3e-4, 4e-4), 32, 512, 8),
     "grpo": ("isolated", "vanilla", (0.2, 0.28), 8, 512, 2),
+    "grpo2x": ("isolated", "vanilla", (0.2, 0.28), 16, 512, 4),
+    # GRAFT's paper: GRPO n = 32 in the same 32-prompt mini-batches as n = 8 and 16
+    "grpo4x": ("isolated", "vanilla", (0.2, 0.28), 32, 1024, 4),
     # GRAFT's own loss replaces verl's (loss_mode not read); the paper's 32-prompt updates, each
     # prompt one agent's group of 8
     "graft": ("graft", None, (0.2, 0.28), 8, 256, 4),
