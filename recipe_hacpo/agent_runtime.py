@@ -53,7 +53,10 @@ class AgentRuntime:
         self.tokenizer = hf_tokenizer(local_path, trust_remote_code=arr.model.get("trust_remote_code", False))
         self.eos_token_ids = eos_token_ids(local_path, self.tokenizer)
         self.use_ref = bool(arr.actor.use_kl_loss)
-        role = "actor_rollout_ref" if self.use_ref else "actor_rollout"
+        # a LoRA agent's reference policy is its own actor with the adapter switched off, as in
+        # verl's trainer (`ref_in_actor`): no second copy of the base weights
+        self.ref_in_actor = int(arr.model.get("lora_rank") or 0) > 0 or arr.model.get("lora_adapter_path") is not None
+        role = "actor_rollout_ref" if self.use_ref and not self.ref_in_actor else "actor_rollout"
         self.pool = shared_pool or make_pool(
             request_for(self.config, [self.spec], self.spec.name, self.device_name), self.config, self.device_name
         )
@@ -155,7 +158,11 @@ class AgentRuntime:
         """log π^(k)_ref of every response token, [B, T] (for actor.use_kl_loss)."""
         td = worker_tensordict(batch)
         tu.assign_non_tensor(td, calculate_entropy=False, compute_loss=False)
-        output = self.wg.compute_ref_log_prob(td)
+        if self.ref_in_actor:
+            tu.assign_non_tensor(td, no_lora_adapter=True)
+            output = self.wg.compute_log_prob(td)
+        else:
+            output = self.wg.compute_ref_log_prob(td)
         return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
 
     def update(self, batch: DataProto, rows_per_prompt: int, peer_order: str | None = None) -> dict[str, float]:

@@ -126,7 +126,28 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     _validate_pools(cfg, specs)
     _validate_gpu_memory(cfg, specs)
     _validate_vllm_on_cpu(cfg, specs)
+    _validate_lora(cfg, specs)
     return specs, hacpo
+
+
+def _validate_lora(cfg: DictConfig, specs: list[AgentSpec]) -> None:
+    """LoRA agents (`model.lora_rank` > 0): what verl would only find out after Ray is up."""
+    for s in specs:
+        model = s.section(cfg, "model")
+        rank = int(model.get("lora_rank") or 0)
+        if rank == 0:
+            continue
+        where = f"agents[{s.index}].actor_rollout_ref.model ({s.name})"
+        if rank < 0 or float(model.get("lora_alpha") or 0) <= 0:
+            raise ConfigError(f"{where}: lora_rank={rank}, lora_alpha={model.get('lora_alpha')}: need lora_rank > 0 and lora_alpha > 0")
+        if not model.get("target_modules"):
+            raise ConfigError(f"{where}.target_modules: empty; name the projections the adapter trains (e.g. all-linear)")
+        merged = bool((model.get("lora") or {}).get("merge", False))
+        if str(s.section(cfg, "rollout").get("name")) == "hf" and not merged:
+            raise ConfigError(
+                f"{where}.lora.merge=false with rollout.name=hf: the hf rollout takes merged weights only; "
+                "set lora.merge=true (vLLM on GPU also serves the adapter unmerged)"
+            )
 
 
 def _validate_vllm_on_cpu(cfg: DictConfig, specs: list[AgentSpec]) -> None:

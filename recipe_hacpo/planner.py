@@ -20,6 +20,11 @@ Per GPU of an agent's pool (W GPUs, FSDP shards everything W ways; vLLM tensor p
   of the root module, embeddings and LM head, and of two decoder layers, the one computing
   and the one prefetched).
   A reference model (only with a KL term) adds 2·P/W in bf16 unless `ref.fsdp_config.param_offload`.
+- A LoRA agent (`model.lora_rank` r > 0) keeps the frozen base weights (4·P/W) and trains only
+  the adapter's P_r parameters: r·(in + out) for every targeted projection of every layer
+  (`lora_params`); gradients and Adam moments cover P_r only, and the reference policy is the
+  actor with the adapter switched off (verl's ref-in-actor), so it costs nothing. vLLM holds
+  the merged weights with `model.lora.merge=true`, the base weights and a bf16 adapter without.
 - Activations of one micro-batch (an estimate, see `activation_bytes_per_token`): N tokens
   per GPU (ppo_micro_batch_size_per_gpu × (max_prompt_length + max_response_length), or
   ppo_max_token_len_per_gpu with dynamic batch sizes; divided by the Ulysses degree) times
@@ -147,6 +152,29 @@ class ModelShape:
         return layers + (BF16_BYTES + 4) * self.vocab_size
 
 
+# the projections of a decoder layer that LoRA can target, by their name in Qwen / Llama
+# checkpoints; "all-linear" (peft) is every one of them (the LM head is never included)
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lora_params(shape: "ModelShape", rank: int, target_modules) -> tuple[int, list[str]]:
+    """(P_r: the adapter's parameters, the target names it could not count).
+
+    Each targeted projection W (out × in) gets A (r × in) and B (out × r): r·(in + out) per
+    layer. `target_modules` is peft's: "all-linear", or a list of module names."""
+    h, d, inter = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    q, kv = shape.num_heads * d, shape.num_kv_heads * d
+    sizes = {"q_proj": h + q, "k_proj": h + kv, "v_proj": h + kv, "o_proj": q + h,
+             "gate_proj": h + inter, "up_proj": h + inter, "down_proj": inter + h}
+    if isinstance(target_modules, str):
+        names = list(LORA_PROJECTIONS) if target_modules == "all-linear" else [target_modules]
+    else:
+        names = [str(n) for n in (target_modules or [])]
+    counted = [n for n in names if n in sizes]
+    unknown = [n for n in names if n not in sizes]
+    return int(rank) * shape.num_layers * sum(sizes[n] for n in dict.fromkeys(counted)), unknown
+
+
 def kv_bytes_per_token(shape: ModelShape, tp: int = 1, dtype: str = "bfloat16") -> int:
     """KV cache per token on one GPU: 2 · layers · max(1, KV heads / T) · head dim · bytes."""
     kv_heads = max(1, shape.num_kv_heads // max(1, tp))
@@ -203,6 +231,8 @@ class AgentPlan:
     offload_policy: bool = False
     shape: ModelShape | None = None
     params: int = 0
+    lora_rank: int = 0
+    lora_params: int = 0  # P_r: trainable adapter parameters (0: full fine-tuning)
     fsdp_weights: int = 0
     fsdp_grads: int = 0
     fsdp_adam: int = 0
@@ -278,22 +308,33 @@ def plan_agent(cfg, spec, gpu_memory: int, shape: ModelShape | None) -> AgentPla
         plan.max_model_len = shape.max_position_embeddings
     world = max(1, gpus)
     p = plan.params = shape.num_params()
+    model = spec.section(cfg, "model")
+    plan.lora_rank = int(model.get("lora_rank") or 0)
+    if plan.lora_rank > 0:
+        plan.lora_params, unknown = lora_params(shape, plan.lora_rank, model.get("target_modules", "all-linear"))
+        if unknown:
+            plan.note = f"LoRA targets {unknown} not counted (the plan knows {', '.join(LORA_PROJECTIONS)})"
+    trained = plan.lora_params if plan.lora_rank > 0 else p
     if plan.offload_policy:
         in_flight = shape.root_params() + 2 * shape.layer_params()
-        plan.fsdp_weights = plan.fsdp_grads = BF16_BYTES * in_flight
+        plan.fsdp_weights = BF16_BYTES * in_flight
+        plan.fsdp_grads = BF16_BYTES * in_flight if plan.lora_rank == 0 else BF16_BYTES * trained // world
     else:
-        plan.fsdp_weights = FP32_WEIGHT_BYTES * p // world
-        plan.fsdp_grads = FP32_GRAD_BYTES * p // world
-        plan.fsdp_adam = ADAM_BYTES * p // world
+        plan.fsdp_weights = FP32_WEIGHT_BYTES * (p + plan.lora_params) // world
+        plan.fsdp_grads = FP32_GRAD_BYTES * trained // world
+        plan.fsdp_adam = ADAM_BYTES * trained // world
     ref = spec.section(cfg, "ref")
     uses_ref = bool(actor.get("use_kl_loss", False)) or bool(cfg.algorithm.get("use_kl_in_reward", False))
-    if uses_ref and not bool((ref.get("fsdp_config") or {}).get("param_offload", False)):
+    # a LoRA agent's reference policy is its actor with the adapter off (verl's ref-in-actor)
+    if uses_ref and plan.lora_rank == 0 and not bool((ref.get("fsdp_config") or {}).get("param_offload", False)):
         plan.ref_weights = BF16_BYTES * p // world
     plan.micro_tokens = micro_batch_tokens(cfg, actor)
-    plan.checkpointing = bool(spec.section(cfg, "model").get("enable_gradient_checkpointing", False))
+    plan.checkpointing = bool(model.get("enable_gradient_checkpointing", False))
     plan.activations = plan.micro_tokens * shape.activation_bytes_per_token(plan.checkpointing)
     rollout_dtype = str(rollout.get("dtype") or "bfloat16")
-    plan.vllm_weights = DTYPE_BYTES.get(rollout_dtype, 2) * p // plan.tp
+    merged = bool((model.get("lora") or {}).get("merge", False))
+    adapter = BF16_BYTES * plan.lora_params if plan.lora_rank > 0 and not merged else 0
+    plan.vllm_weights = (DTYPE_BYTES.get(rollout_dtype, 2) * p + adapter) // plan.tp
     plan.kv_budget = plan.vllm_share - plan.vllm_weights - int(VLLM_NON_KV_GIB * GIB)
     plan.kv_needed = kv_bytes_per_token(shape, plan.tp, rollout_dtype) * plan.max_model_len
     if plan.kv_budget <= 0:
@@ -429,10 +470,12 @@ def format_plan(plans: list[AgentPlan], gpu_memory_gib: float) -> str:
             k for k, on in (("params", p.param_offload), ("optimizer", p.optimizer_offload)) if on)
         lines += [
             f"    architecture: {p.source}",
-            f"    parameters {p.params / 1e9:.2f} B",
+            f"    parameters {p.params / 1e9:.2f} B"
+            + (f", LoRA rank {p.lora_rank}: {p.lora_params / 1e6:.1f} M trained" if p.lora_rank else ""),
             f"    FSDP per GPU: weights {_gib(p.fsdp_weights)}, grads {_gib(p.fsdp_grads)}, Adam {_gib(p.fsdp_adam)}"
             + (f", ref {_gib(p.ref_weights)}" if p.ref_weights else "")
             + f"; offload: {offload or 'none'}; resident between updates {_gib(p.resident)}",
+            *([f"    {p.note}"] if p.note else []),
             f"    activations of a micro-batch ({p.micro_tokens} tokens, gradient checkpointing "
             f"{'on' if p.checkpointing else 'off'}): about {_gib(p.activations)}; update peak {_gib(p.train_peak)}",
             f"    vLLM per GPU: share {_gib(p.vllm_share)} (gpu_memory_utilization {p.utilization}), weights "

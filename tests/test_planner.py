@@ -91,7 +91,9 @@ def test_every_preset_is_planned_and_fits_without_download(preset):
             assert p.pool == "own" and p.resident == p.fsdp_weights + p.fsdp_adam
         if not p.offload_policy:
             assert p.train_peak == p.fsdp_weights + p.fsdp_grads + p.fsdp_adam + p.activations
-            assert p.fsdp_adam == 8 * p.params // p.gpus
+            # Adam moments of what trains: every parameter, or a LoRA agent's adapter only
+            assert p.fsdp_adam == 8 * (p.lora_params if p.lora_rank else p.params) // p.gpus
+            assert bool(p.lora_rank) == ("_lora" in preset)
     text = planner.format_plan(plans, gib)
     assert text.count("    fits") == len(plans) and "DOES NOT FIT" not in text
     assert text.count("not on disk: figures shipped in recipe_hacpo/model_specs.json") == len(plans)
@@ -360,3 +362,38 @@ def test_offload_policy_keeps_fsdp_state_on_the_host():
     on_gpu = _compose(preset, ["actor_rollout_ref.actor.fsdp_config.offload_policy=false"])
     plans = planner.plan(on_gpu, agent_specs(on_gpu))
     assert any(m.startswith("update phase needs at least 2") for m in plans[1].problems), plans[1].problems
+
+
+def test_lora_adapter_parameters_by_hand():
+    shape = _shape("Qwen3-1.7B-Base")  # h 2048, q 16 × 128, kv 8 × 128, I 6144, 28 layers
+    # r · (in + out) per projection: q 2048+2048, k and v 2048+1024, o 2048+2048, gate/up/down 2048+6144
+    per_layer = (2048 + 2048) + 2 * (2048 + 1024) + (2048 + 2048) + 3 * (2048 + 6144)
+    assert planner.lora_params(shape, 16, "all-linear") == (16 * 28 * per_layer, [])
+    assert planner.lora_params(shape, 8, ["q_proj", "v_proj"]) == (8 * 28 * (4096 + 3072), [])
+    # a name the plan does not know is reported, not guessed
+    assert planner.lora_params(shape, 8, ["q_proj", "lm_head"]) == (8 * 28 * 4096, ["lm_head"])
+
+
+def test_lora_agent_trains_only_its_adapter_and_its_reference_is_the_actor():
+    # Qwen3-8B on one 80 GiB GPU: full fine-tuning needs 16 bytes × 8.2 B parameters (rejected
+    # above); with a rank-32 adapter the GPU holds the frozen fp32 base, and grads + Adam of P_r
+    preset = "pair_qwen3-4b-base_qwen3-8b-base"
+    lora = ["agents.1.n_gpus_per_node=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.actor.use_kl_loss=true",
+            "+agents.1.actor_rollout_ref.model.lora_rank=32", "+agents.1.actor_rollout_ref.model.target_modules=all-linear",
+            "+agents.1.actor_rollout_ref.model.lora.merge=true"]
+    cfg = _compose(preset, _local_models(preset) + lora)
+    full, adapter = planner.plan(cfg, agent_specs(cfg))
+    p, pr = adapter.params, adapter.lora_params
+    assert full.lora_rank == 0 and full.ref_weights > 0
+    assert adapter.lora_rank == 32 and pr == planner.lora_params(_shape("Qwen3-8B-Base"), 32, "all-linear")[0]
+    assert 0 < pr < p // 50
+    assert (adapter.fsdp_weights, adapter.fsdp_grads, adapter.fsdp_adam) == (4 * (p + pr), 4 * pr, 8 * pr)
+    assert adapter.ref_weights == 0  # the actor with its adapter switched off
+    assert adapter.vllm_weights == 2 * p  # merged into the base weights before every sync
+    assert not any(m.startswith("update phase") for m in adapter.problems), adapter.problems
+    text = planner.format_plan([full, adapter], 80)
+    assert f"LoRA rank 32: {pr / 1e6:.1f} M trained" in text
+    # without merging, vLLM serves the base weights and a bf16 adapter
+    unmerged = _compose(preset, _local_models(preset) + lora[:-1] + ["+agents.1.actor_rollout_ref.model.lora.merge=false"])
+    assert planner.plan(unmerged, agent_specs(unmerged))[1].vllm_weights == 2 * p + 2 * pr

@@ -47,7 +47,7 @@ SHARED = [
 
 
 def _pair(preset: str) -> str:
-    return preset.removeprefix("pair_").removesuffix("_4gpu").removesuffix("_1gpu")
+    return preset.removeprefix("pair_").removesuffix("_4gpu").removesuffix("_1gpu").removesuffix("_lora")
 
 
 def _compose(name: str, overrides: list[str]):
@@ -68,9 +68,10 @@ def test_every_paper_pair_has_a_preset():
     assert {p for p in PRESETS if p.endswith("_4gpu")} == {
         f"pair_{pair}_4gpu" for pair in PAPER if pair != "qwen3-4b-base_qwen3-8b-base"
     }
-    # one GPU: the debug pair (24 GiB) and one paper pair (80 GiB)
+    # one GPU: the debug pair (24 GiB), one paper pair (80 GiB), and the largest pair with LoRA agents
     assert {p for p in PRESETS if p.endswith("_1gpu")} == {
-        "pair_qwen3-0p6b-base_llama3p2-1b-instruct_1gpu", "pair_qwen3-1p7b-base_llama3p2-1b-instruct_1gpu"}
+        "pair_qwen3-0p6b-base_llama3p2-1b-instruct_1gpu", "pair_qwen3-1p7b-base_llama3p2-1b-instruct_1gpu",
+        "pair_qwen3-4b-base_qwen3-8b-base_lora_1gpu"}
     for preset in PRESETS:
         text = (CONFIGS / f"{preset}.yaml").read_text()
         # primary configs: Hydra reads the search path from the primary config only
@@ -94,7 +95,9 @@ def test_preset_composes_and_validates_on_8_gpus(preset):
     assert (cfg.data.train_batch_size, cfg.data.max_prompt_length, cfg.data.max_response_length) == (128, *lengths)
     assert cfg.data.train_files == "data/paper/math_train.parquet"
     actor = cfg.actor_rollout_ref.actor
-    assert actor.ppo_mini_batch_size == 32 and actor.optim.lr == 1e-6
+    # a LoRA preset's adapters take a larger step than the paper's full fine-tuning
+    assert actor.ppo_mini_batch_size == 32 and actor.optim.lr == (1e-5 if "_lora" in preset else 1e-6)
+    assert cfg.actor_rollout_ref.model.lora_rank == (64 if "_lora" in preset else 0)
     assert (actor.policy_loss.loss_mode, actor.loss_agg_mode) == ("gspo", "seq-mean-token-mean")
     assert (actor.clip_ratio_low, actor.clip_ratio_high) == (3e-4, 4e-4)
     rollout = cfg.actor_rollout_ref.rollout

@@ -75,7 +75,7 @@ def _shellcheck() -> str:
 
 def test_scripts_exist():
     names = {p.name for p in SCRIPTS}
-    assert "hacpo.slurm" in names and len(PAIR_SCRIPTS) == 8
+    assert "hacpo.slurm" in names and len(PAIR_SCRIPTS) == 9
     presets = {p.stem for p in (REPO / "configs").glob("pair_*.yaml")}
     for script in PAIR_SCRIPTS:
         assert script.stem in presets, f"{script.name} has no configs/{script.stem}.yaml"

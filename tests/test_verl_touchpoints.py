@@ -283,3 +283,17 @@ def test_16_worker_group_master_port_range():
         port = held.getsockname()[1]
         _, got = get_master_addr_port._function(master_port_range=[port, port + 50])
     _contract("16 (get_master_addr_port)", port < int(got) < port + 50, f"picked {got} for range [{port}, {port + 50})")
+
+
+def test_18_lora_reference_in_actor_and_merged_sync():
+    from verl.workers import engine_workers
+
+    infer = _source(engine_workers.TrainingWorker.infer_batch)
+    _contract("18 (no_lora_adapter)", 'key="no_lora_adapter"' in infer and "disable_adapter()" in infer,
+              "TrainingWorker.infer_batch no longer switches the adapter off on no_lora_adapter")
+    sync = _source(engine_workers.ActorRolloutRefWorker.update_weights)
+    _contract("18 (lora.merge)", "self.peft_merge" in sync and "not self.peft_merge and peft_config is not None" in sync,
+              "update_weights no longer sends merged weights (peft_config None) when model.lora.merge is set")
+    init = _source(engine_workers.ActorRolloutRefWorker.init_model)
+    _contract("18 (lora.merge)", 'model_config.lora.get("merge", False)' in init,
+              "the merge switch is no longer read from model.lora.merge")

@@ -152,8 +152,50 @@ def _clean_key(key: str) -> str:
     return key
 
 
+# what verl writes beside the shards of a LoRA actor: {"r": rank, "lora_alpha": alpha, ...}
+LORA_META_FILE = "lora_train_meta.json"
+_PEFT_PREFIX = "base_model.model."
+
+
+def fold_lora(state: dict, rank: int, alpha: float, actor: str = "checkpoint") -> dict:
+    """A LoRA actor's merged state (peft's key names) as the plain model's state dict.
+
+    Every adapted projection becomes W + (α / r) · B A (peft's LoRA scaling, one adapter
+    named "default"); the `base_model.model.` prefix and the `.base_layer` level go.
+    """
+    if rank <= 0:
+        raise EvalError(f"{actor}: {LORA_META_FILE} has LoRA rank {rank}")
+    scale = float(alpha) / float(rank)
+    plain: dict = {}
+    adapters: dict[str, dict[str, object]] = {}
+    for key, tensor in state.items():
+        key = key[len(_PEFT_PREFIX):] if key.startswith(_PEFT_PREFIX) else key
+        for part in ("lora_A", "lora_B"):
+            marker = f".{part}.default.weight"
+            if key.endswith(marker):
+                adapters.setdefault(key[: -len(marker)], {})[part] = tensor
+                break
+        else:
+            if ".lora_" in key or ".lora_magnitude_vector" in key:
+                raise EvalError(f"{actor}: LoRA tensor {key} is not a plain 'default' adapter; {_UNSUPPORTED.format(actor=actor)}")
+            plain[key.replace(".base_layer.", ".")] = tensor
+    for module, parts in adapters.items():
+        weight = f"{module}.weight"
+        if set(parts) != {"lora_A", "lora_B"} or weight not in plain:
+            raise EvalError(f"{actor}: LoRA adapter of {module} is incomplete (has {sorted(parts)})")
+        base = plain[weight]
+        delta = parts["lora_B"].float() @ parts["lora_A"].float()
+        plain[weight] = (base.float() + scale * delta).to(base.dtype)
+    return plain
+
+
 def merge_fsdp_checkpoint(actor: str, target: str) -> str:
-    """Merge `actor/model_world_size_*_rank_*.pt` into a Hugging Face dir `target`; returns it."""
+    """Merge `actor/model_world_size_*_rank_*.pt` into a Hugging Face dir `target`; returns it.
+
+    A LoRA actor (verl's `lora_train_meta.json` beside the shards) has its adapter folded into
+    the base weights, so the result loads like any trained model."""
+    import json
+
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -163,6 +205,10 @@ def merge_fsdp_checkpoint(actor: str, target: str) -> str:
     states = [torch.load(f, map_location="cpu", weights_only=False) for f in files]
     merged = merge_shards(states, actor)
     del states
+    lora_meta = os.path.join(actor, LORA_META_FILE)
+    if os.path.isfile(lora_meta):
+        meta = json.loads(open(lora_meta).read())
+        merged = fold_lora(merged, int(meta["r"]), float(meta["lora_alpha"]), actor)
     config = AutoConfig.from_pretrained(hf_dir)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config)
