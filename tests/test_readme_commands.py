@@ -168,8 +168,8 @@ def test_the_targets_run_what_the_readme_says(clone):
     for venv in (".venv", ".venv-vllm"):
         (clone / venv / "bin").mkdir(parents=True)
         (clone / venv / ".installed").touch()
-    fast = '.venv/bin/python -m pytest -q -p no:cacheprovider -m "not vllm"'
-    vllm = ".venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/test_vllm_tier.py"
+    fast = '.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m "not vllm"'
+    vllm = ".venv-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m vllm tests/test_vllm_tier.py"
     assert _make(clone, "-n", "test").stdout.strip().splitlines() == [fast]
     assert _make(clone, "-n", "test-vllm").stdout.strip().splitlines() == [vllm]
     assert _make(clone, "-n", "test-all").stdout.strip().splitlines() == [fast, vllm]
