@@ -43,6 +43,13 @@ class AgentRuntime:
     # None: any free port, verl's default
     master_port_range: list[int] | None = None
 
+    @property
+    def ref_in_actor(self) -> bool:
+        """A LoRA agent's reference policy is its own actor with the adapter switched off, as in
+        verl's trainer (`ref_in_actor`): no second copy of the base weights."""
+        model = self.config.actor_rollout_ref.model
+        return int(model.get("lora_rank") or 0) > 0 or model.get("lora_adapter_path") is not None
+
     # ------------------------------------------------------------------ set-up
     def build(self, hacpo: HacpoSettings, shared_pool: RayResourcePool | None) -> None:
         """Start the worker group, the rollout servers and the weight-sync manager."""
@@ -53,9 +60,6 @@ class AgentRuntime:
         self.tokenizer = hf_tokenizer(local_path, trust_remote_code=arr.model.get("trust_remote_code", False))
         self.eos_token_ids = eos_token_ids(local_path, self.tokenizer)
         self.use_ref = bool(arr.actor.use_kl_loss)
-        # a LoRA agent's reference policy is its own actor with the adapter switched off, as in
-        # verl's trainer (`ref_in_actor`): no second copy of the base weights
-        self.ref_in_actor = int(arr.model.get("lora_rank") or 0) > 0 or arr.model.get("lora_adapter_path") is not None
         role = "actor_rollout_ref" if self.use_ref and not self.ref_in_actor else "actor_rollout"
         self.pool = shared_pool or make_pool(
             request_for(self.config, [self.spec], self.spec.name, self.device_name), self.config, self.device_name

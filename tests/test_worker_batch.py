@@ -48,13 +48,16 @@ class _RecordingWorkers:
         log_probs = torch.nested.nested_tensor_from_jagged(values, td["input_ids"].offsets())
         return tu.get_tensordict(tensor_dict={"log_probs": log_probs})
 
-    compute_ref_log_prob = compute_log_prob
+    def compute_ref_log_prob(self, td):
+        out = self.compute_log_prob(td)
+        self.sent["compute_ref_log_prob"] = self.sent.pop("compute_log_prob")
+        return out
 
     def hacpo_update_record(self):
         return [[{"update_index": 0, "own_rows": 1, "cross_rows": 1, "lower_bound": 0.8}]]
 
 
-def _runtime(paths):
+def _runtime(paths, extra: tuple[str, ...] = ()):
     from hydra import compose, initialize_config_module
 
     from recipe_hacpo.config import agent_verl_config, validate
@@ -65,6 +68,7 @@ def _runtime(paths):
             f"agents.1.model_path={paths['llama-pair-medium']}",
             f"data.train_batch_size={PROMPTS}",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            *extra,
         ])
     specs, _ = validate(cfg)
     runtime = AgentRuntime(spec=specs[0], config=agent_verl_config(cfg, specs[0]), device_name="cpu")
@@ -148,12 +152,22 @@ def test_log_prob_calls_ship_no_text_field(tiny_agent_paths, call):
     rollout = _rollout(0)
     out = getattr(runtime, call)(rollout)
 
-    sent = runtime.wg.sent["compute_log_prob"]
+    sent = runtime.wg.sent["compute_ref_log_prob" if call == "ref_log_prob" else "compute_log_prob"]
     assert _per_row_objects(sent) == []
     assert {"input_ids", "position_ids", "prompts", "responses", "response_mask"} <= set(sent.keys())
     assert out.shape == rollout.batch["responses"].shape
     # the worker's log-probs come back on the response tokens
     assert (out[rollout.batch["response_mask"].bool()] == -1.0).all()
+
+
+def test_a_lora_agents_reference_is_its_actor_with_the_adapter_off(tiny_agent_paths):
+    lora = ("+agents.0.actor_rollout_ref.model.lora_rank=4", "+agents.0.actor_rollout_ref.model.lora.merge=true")
+    runtime = _runtime(tiny_agent_paths, lora)
+    assert runtime.ref_in_actor and not _runtime(tiny_agent_paths).ref_in_actor
+    runtime.ref_log_prob(_rollout(0))
+    # verl's actor worker, told to switch its adapter off; no reference worker is asked
+    assert set(runtime.wg.sent) == {"compute_log_prob"}
+    assert tu.get_non_tensor_data(runtime.wg.sent["compute_log_prob"], "no_lora_adapter", None) is True
 
 
 def test_a_field_verl_reads_per_row_is_still_shipped(tiny_agent_paths):
