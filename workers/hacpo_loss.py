@@ -43,16 +43,8 @@ def hacpo_actor_loss(
     """
     from verl.trainer.ppo.core_algos import agg_loss
     from verl.utils.metric import AggregationType, Metric
-    from verl.workers.utils.padding import no_padding_2_padding
 
-    log_prob = no_padding_2_padding(model_output["log_probs"], data)
-    entropy = model_output.get("entropy", None)
-    if entropy is not None:
-        entropy = no_padding_2_padding(entropy, data)
-
-    batch_info, aggregation = _batch_info(actor_config, data)
-    update_index = _update_index(data)
-
+    log_prob, entropy, batch_info, aggregation, update_index = _micro_batch(actor_config, model_output, data)
     padded = data.select(*loss_fields(hacpo, actor_config.use_kl_loss)).to_padded_tensor()
     response_mask = padded["response_mask"].to(bool)
 
@@ -96,6 +88,19 @@ def hacpo_actor_loss(
     )
     _check_finite(total, pg_loss, update_index)
     return total, metrics
+
+
+def _micro_batch(actor_config, model_output, data: TensorDict):
+    """What every loss of this module reads first: the model's log-probs (and entropy, if
+    computed) padded back to [B, T], verl's batch info with its aggregation, and the update m."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    entropy = model_output.get("entropy", None)
+    if entropy is not None:
+        entropy = no_padding_2_padding(entropy, data)
+    batch_info, aggregation = _batch_info(actor_config, data)
+    return log_prob, entropy, batch_info, aggregation, _update_index(data)
 
 
 def _batch_info(actor_config, data: TensorDict):
@@ -172,16 +177,10 @@ def graft_actor_loss(
     """
     from verl.trainer.ppo.core_algos import agg_loss
     from verl.utils.metric import AggregationType, Metric
-    from verl.workers.utils.padding import no_padding_2_padding
 
     from recipe_hacpo.graft import graft_policy_loss_matrix
 
-    log_prob = no_padding_2_padding(model_output["log_probs"], data)
-    entropy = model_output.get("entropy", None)
-    if entropy is not None:
-        entropy = no_padding_2_padding(entropy, data)
-    batch_info, aggregation = _batch_info(actor_config, data)
-    update_index = _update_index(data)
+    log_prob, entropy, batch_info, aggregation, update_index = _micro_batch(actor_config, model_output, data)
     fields = ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.GRAFT_WEIGHT]
     if actor_config.use_kl_loss:
         fields.append("ref_log_prob")
