@@ -176,7 +176,7 @@ def fold_lora(state: dict, rank: int, alpha: float, actor: str = "checkpoint") -
                 adapters.setdefault(key[: -len(marker)], {})[part] = tensor
                 break
         else:
-            if ".lora_" in key or ".lora_magnitude_vector" in key:
+            if ".lora_" in key:  # another adapter name, DoRA's magnitude vector, embeddings' lora_*
                 raise EvalError(f"{actor}: LoRA tensor {key} is not a plain 'default' adapter; {_UNSUPPORTED.format(actor=actor)}")
             plain[key.replace(".base_layer.", ".")] = tensor
     for module, parts in adapters.items():
@@ -207,7 +207,8 @@ def merge_fsdp_checkpoint(actor: str, target: str) -> str:
     del states
     lora_meta = os.path.join(actor, LORA_META_FILE)
     if os.path.isfile(lora_meta):
-        meta = json.loads(open(lora_meta).read())
+        with open(lora_meta) as f:
+            meta = json.load(f)
         merged = fold_lora(merged, int(meta["r"]), float(meta["lora_alpha"]), actor)
     config = AutoConfig.from_pretrained(hf_dir)
     with torch.device("meta"):
