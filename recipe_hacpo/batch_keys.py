@@ -34,6 +34,12 @@ GRAFT_WEIGHT = "hacpo_graft_weight"
 """float32 [B] — mode=graft: compatibility weight w of G3 (1.0 on own rows, 0.0 on grafted rows
 the floor dropped, whose response_mask is zeroed)."""
 
+IMITATION_MASK = "hacpo_imitation_mask"
+"""int64 [B, T] — mode=sgt: 1 on the response tokens of an imitated peer response (the tokens of
+the λ·NLL term), 0 elsewhere. Every row of the imitation slot (one per prompt group) has a zero
+response_mask, so it is in neither GRPO's loss nor its token count; a slot whose prompt has
+nothing to imitate is zero here as well."""
+
 # non_tensor_batch (numpy object arrays)
 RESPONSE_TEXT = "hacpo_response_text"
 """object [B] — decoded response text (no special tokens); what crosses tokenizers."""
@@ -44,3 +50,8 @@ FINISHED = "hacpo_finished"
 # meta_info / non-tensor scalars passed to the worker
 UPDATE_INDEX = "hacpo_update_index"
 """int — m of spec §5: optimizer updates the learner already made in this training step."""
+
+IMITATION_TOKENS = "hacpo_imitation_tokens"
+"""int — mode=sgt: imitated tokens (Σ IMITATION_MASK) of the whole mini-batch over every
+data-parallel rank, set per mini-batch by `HacpoTrainingWorker`: the NLL term's token-mean
+denominator, as verl's `batch_num_tokens` is GRPO's."""

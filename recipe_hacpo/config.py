@@ -311,6 +311,8 @@ def _validate_graft(cfg: DictConfig, specs: list[AgentSpec]) -> None:
 def _rows_per_prompt(specs: list[AgentSpec], learner: AgentSpec, cfg: DictConfig) -> int:
     if hacpo_settings(cfg).mode == "graft":
         return learner.rollout_n  # one agent's whole group per prompt
+    if hacpo_settings(cfg).mode == "sgt":
+        return learner.rollout_n + 1  # the learner's own group and its imitation slot
     if hacpo_settings(cfg).shares:
         return sum(s.rollout_n for s in specs)
     return learner.rollout_n

@@ -1,8 +1,8 @@
-"""GRAFT and SGT, the two later cross-model exchange algorithms, at the formula level.
+"""GRAFT, a later cross-model exchange algorithm, at the formula level (SGT's formulas: `recipe_hacpo.sgt`).
 
 Pure torch/numpy (no Ray, no verl import), in the style of `core_algos`: one function per
 mechanism, the formula with the paper's symbols in its docstring, the shape of every argument.
-Sections refer to docs/ALGORITHM.md ("GRAFT" and "SGT"):
+Sections refer to docs/ALGORITHM.md §9 ("GRAFT"):
 
     R        receiver (the learner);  S  source (the agent whose rollouts R receives)
     n_M      rollouts per prompt of agent M
@@ -41,8 +41,6 @@ __all__ = [
     "graft_policy_loss_matrix",
     "compute_graft_policy_loss",
     "graft_mini_batch_order",
-    "sgt_pick_responses",
-    "compute_sgt_loss",
 ]
 
 # verl's vanilla PPO loss clamps log ρ to [−20, 20] before exp; the same clamp keeps GRAFT with
@@ -371,85 +369,3 @@ def graft_mini_batch_order(
     peer = [g for g in perm if kind[g]]
     sequence = {"last": own + peer, "first": peer + own, "uniform": perm}[peer_order]
     return verl_layout(sequence, rows_of, mini_batch_prompts=mini_batch_prompts, dp_size=dp_size)
-
-
-# ---------------------------------------------------------------------------------------
-# SGT: one correct peer response per receiver-failed prompt, λ·NLL
-# ---------------------------------------------------------------------------------------
-def sgt_pick_responses(
-    correct: torch.Tensor,
-    index: np.ndarray | Sequence,
-    source: torch.Tensor | np.ndarray | Sequence[int],
-    receiver: int,
-    generator: torch.Generator,
-) -> torch.Tensor:
-    """Rows the receiver imitates under SGT (docs/ALGORITHM.md, SGT), long [P] (row numbers into the batch).
-
-    For every prompt q with no correct rollout of the receiver (k_R(q) = 0) and at least one
-    correct peer response, one correct peer response drawn uniformly. Both directions, no
-    balancing, no weighting. With N ≥ 3 the draw is uniform over every peer's correct
-    responses to q pooled (this project's rule; the paper has two agents).
-
-    Args:
-        correct: bool [B], the verifier accepted the row.  index: group id per row, [B].
-        source: agent that generated each row, int [B].  receiver: R.
-        generator: the draw's random state (seeded per step for a reproducible run).
-    """
-    ok = torch.as_tensor(correct, dtype=torch.bool).reshape(-1)
-    src = torch.as_tensor(source, dtype=torch.long).reshape(-1)
-    uid = np.asarray(index, dtype=object).astype(str)
-    if not (len(ok) == len(src) == len(uid)):
-        raise ValueError(f"sgt_pick_responses: correct {len(ok)}, source {len(src)}, index {len(uid)} rows")
-    picks = []
-    groups, first = np.unique(uid, return_index=True)
-    for g in groups[np.argsort(first)]:
-        rows = torch.as_tensor(np.flatnonzero(uid == g))
-        own = rows[src[rows] == receiver]
-        if ok[own].any():
-            continue
-        pool = rows[(src[rows] != receiver) & ok[rows]]
-        if len(pool):
-            picks.append(int(pool[torch.randint(len(pool), (1,), generator=generator)]))
-    return torch.as_tensor(picks, dtype=torch.long)
-
-
-def compute_sgt_loss(
-    log_prob: torch.Tensor,
-    old_log_prob: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    *,
-    is_imitated: torch.Tensor,
-    coef: float = 0.1,
-    clip_ratio_low: float = 0.2,
-    clip_ratio_high: float = 0.28,
-    clip_ratio_c: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """SGT's loss of one mini-batch (docs/ALGORITHM.md, SGT): GRPO on own rows plus λ·NLL on imitated rows.
-
-        L = token-mean_{own rows} ℓ^GRPO_{j,t}  +  λ · token-mean_{imitated rows} (−log π_θR(o_t))
-
-    The imitated rows are peer responses re-tokenized for the receiver (`sgt_pick_responses`);
-    they have no ratio, no advantage and no weight. With no imitated row this is verl's GRPO.
-
-    Args:
-        log_prob, old_log_prob, advantages, response_mask: as `graft_policy_loss_matrix`.
-        is_imitated: bool [B], True on the picked peer rows.
-        coef: λ.
-    """
-    if coef < 0:
-        raise ValueError(f"compute_sgt_loss: λ must be >= 0, got {coef}")
-    imitated = torch.as_tensor(is_imitated, device=log_prob.device).to(torch.bool).reshape(-1, 1)
-    mask = response_mask.to(log_prob.dtype)
-    own_mask = mask * ~imitated
-    sft_mask = mask * imitated
-    pg_mat, metrics = graft_policy_loss_matrix(
-        log_prob, old_log_prob, advantages, own_mask,
-        weight=torch.ones(log_prob.shape[0]), is_grafted=torch.zeros(log_prob.shape[0], dtype=torch.bool),
-        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-    )
-    pg_loss = token_mean(pg_mat, own_mask)
-    nll = token_mean(-log_prob, sft_mask)
-    loss = pg_loss + coef * nll
-    metrics.update({"actor/pg_loss": float(pg_loss.detach()), "sgt/nll": float(nll.detach())})
-    return loss, metrics

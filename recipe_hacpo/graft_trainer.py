@@ -1,4 +1,4 @@
-"""GRAFT's exchange and advantages inside the multi-agent trainer (`algorithm.hacpo.mode=graft`).
+"""GRAFT's and SGT's exchange and advantages inside the multi-agent trainer (`algorithm.hacpo.mode=graft|sgt`).
 
 `HacpoTrainer.exchange` and `HacpoTrainer.advantages` hand over to these two functions in mode
 graft; everything else of the step (generate, score, old log-probs, update, weight sync) is
@@ -12,17 +12,27 @@ the trainer's. docs/ALGORITHM.md, GRAFT:
         their re-tokenized text (the ratio's denominator) and w against the source's own
     G4  the loss in the workers (`workers.hacpo_loss.graft_actor_loss`)
     G5  the mini-batch order in `AgentRuntime.update` (`graft.graft_mini_batch_order`)
+
+and SGT (docs/ALGORITHM.md §9, SGT; `sgt_exchange`, `sgt_advantages`):
+
+    every agent's GRPO advantage on its own groups (own rows only, as G2)
+    `sgt.sgt_selection` per receiver → at most one imitated peer response per prompt, in one
+        extra row per prompt group (the imitation slot), re-tokenized for the receiver
+    the loss in the workers (`workers.hacpo_loss.sgt_actor_loss`); the mini-batch layout is
+        HACPO's (`minibatch.mini_batch_order`: whole groups of n_R own rows + 1 slot)
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.exchange import mean_log_prob_per_response
 from recipe_hacpo.graft import compatibility_weight, graft_selection, grpo_advantage
+from recipe_hacpo.sgt import sgt_selection
 from verl import DataProto
 
 if TYPE_CHECKING:
@@ -151,6 +161,88 @@ def graft_advantages(batches: dict[str, DataProto], metrics: dict) -> None:
         metrics[f"agent/{name}/advantage/abs_mean"] = float(adv.abs().mean())
 
 
+def sgt_exchange(trainer: "HacpoTrainer", rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
+    """Learner batches of mode sgt: every own row, plus one imitation slot per prompt group.
+
+    verl's mini-batches and `minibatch.mini_batch_order` need prompt groups of one size, so every
+    group of the receiver gets exactly one extra row. Where the receiver imitates (`sgt_selection`)
+    that row is the drawn peer response; elsewhere it is a placeholder (the first response of the
+    lowest-index peer to that prompt). Either way the slot is re-tokenized for the receiver by
+    the exchange, carries a zero response_mask and advantage (it is in neither GRPO's loss nor
+    its token count) and `IMITATION_MASK` is its response mask when it is imitated, else 0.
+    The draw is keyed on the receiver's `actor.data_loader_seed`, the step and the prompt uid.
+    """
+    from recipe_hacpo.trainer import _concat_rows, _tag
+
+    specs = trainer.specs
+    names = [s.name for s in specs]
+    for name in names:  # GRPO on each agent's own groups, before anything is exchanged
+        batch = rollouts[name]
+        batch.batch[K.GROUP_ADVANTAGE] = grpo_advantage(batch.batch[K.REWARD], batch.non_tensor_batch["uid"]).float()
+    # every agent's rows in agent-index order, then batch order: the pool order of the draw
+    source = torch.cat([torch.full((len(rollouts[s.name]),), s.index, dtype=torch.long) for s in specs])
+    row = torch.cat([torch.arange(len(rollouts[s.name])) for s in specs])
+    correct = torch.cat([rollouts[s.name].batch[K.REWARD] > 0 for s in specs])
+    uid = np.concatenate([rollouts[s.name].non_tensor_batch["uid"] for s in specs])
+
+    batches = {}
+    for learner in specs:
+        seed = int(trainer.agents[learner.name].config.actor_rollout_ref.actor.data_loader_seed)
+        uids, picks = sgt_selection(correct, uid, source, learner.index, seed=seed, step=trainer.global_step)
+        placeholder = torch.as_tensor([_first_peer_row(uid, source, u, learner.index) for u in uids], dtype=torch.long)
+        slot = torch.where(picks >= 0, picks, placeholder)  # one pooled row per prompt
+        own = _tag(rollouts[learner.name], source=learner.index, cross=False, omega=1.0)
+        own.batch[K.IMITATION_MASK] = torch.zeros_like(own.batch["response_mask"])
+        parts = [own]
+        for src in specs:
+            here = torch.nonzero(source[slot] == src.index).flatten() if src.name != learner.name else slot[:0]
+            if not len(here):
+                continue
+            converted = trainer.exchanges[(src.name, learner.name)].convert(
+                rollouts[src.name].select_idxs(row[slot[here]])
+            )
+            parts.append(_imitation_slots(_tag(converted, source=src.index, cross=True, omega=1.0), picks[here] >= 0))
+        batch = _concat_rows(parts)
+        batches[learner.name] = batch
+        imitated = int((picks >= 0).sum())
+        metrics[f"agent/{learner.name}/sgt/prompts_imitated"] = float(imitated)
+        metrics[f"agent/{learner.name}/sgt/imitation_tokens"] = float(batch.batch[K.IMITATION_MASK].sum())
+        metrics[f"agent/{learner.name}/cross/rows"] = float(imitated)
+    return batches
+
+
+def _first_peer_row(uid: np.ndarray, source: torch.Tensor, prompt: str, receiver: int) -> int:
+    """The pooled row number of the first response of the lowest-index peer to `prompt`."""
+    rows = np.flatnonzero((uid == prompt) & (source.numpy() != receiver))
+    return int(rows[0])
+
+
+def _imitation_slots(slots: DataProto, imitated: torch.Tensor) -> DataProto:
+    """Mask the slot rows out of GRPO's term; the imitated ones' response tokens become the NLL's."""
+    mask = slots.batch["response_mask"]
+    slots.batch[K.IMITATION_MASK] = mask * imitated.to(mask.dtype).unsqueeze(-1)
+    slots.batch["response_mask"] = torch.zeros_like(mask)
+    slots.batch[K.GROUP_ADVANTAGE] = torch.zeros(len(slots), dtype=torch.float32)
+    return slots
+
+
+def sgt_advantages(batches: dict[str, DataProto], metrics: dict) -> None:
+    """GRPO's advantage of every own row (as `graft_advantages`); 0 on the imitation slots."""
+    graft_advantages(batches, metrics)
+    for name, batch in batches.items():
+        own = batch.batch[K.GROUP_ADVANTAGE][~batch.batch[K.IS_CROSS]]
+        metrics[f"agent/{name}/advantage/mean"] = float(own.mean())
+        metrics[f"agent/{name}/advantage/abs_mean"] = float(own.abs().mean())
+
+
+def imitation_nll(update_metrics: dict[str, float]) -> float | None:
+    """sgt/nll of one agent's step from the loss's summed NLL and token count (None: nothing imitated)."""
+    tokens = update_metrics.get("sgt/nll_tokens", 0.0)
+    if not tokens:
+        return None
+    return float(update_metrics["sgt/nll_sum"] / tokens)
+
+
 def peer_clip_fraction(update_metrics: dict[str, float]) -> float | None:
     """graft/peer_clipfrac of one agent's step from the loss's summed token counts (None: no grafted token)."""
     tokens = update_metrics.get("graft/peer_tokens", 0.0)
@@ -159,4 +251,7 @@ def peer_clip_fraction(update_metrics: dict[str, float]) -> float | None:
     return float(update_metrics["graft/peer_clipped_tokens"] / tokens)
 
 
-__all__ = ["correct_counts", "graft_exchange", "graft_advantages", "peer_clip_fraction"]
+__all__ = [
+    "correct_counts", "graft_exchange", "graft_advantages", "peer_clip_fraction",
+    "sgt_exchange", "sgt_advantages", "imitation_nll",
+]

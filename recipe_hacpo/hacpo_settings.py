@@ -20,10 +20,11 @@ from typing import Any
 
 PATH = "algorithm.hacpo"
 
-MODES = ("hacpo", "naive", "isolated", "graft")
+MODES = ("hacpo", "naive", "isolated", "graft", "sgt")
 """hacpo: the paper's method | naive: shared rollouts without HACPO's corrections | isolated:
 no sharing (the GSPO / GRPO / GSPO×2 baselines) | graft: GRAFT's whole-group replacement
-(docs/ALGORITHM.md, GRAFT)."""
+(docs/ALGORITHM.md, GRAFT) | sgt: GRPO plus λ·NLL of one correct peer response where the
+receiver failed (docs/ALGORITHM.md, SGT)."""
 
 GRAFT_RATIO_LEVELS = ("token", "sequence")
 """GRAFT's ratio (G4): per token (the method) or one per sequence (ablation)."""
@@ -62,7 +63,8 @@ class HacpoSettings:
     mode: str = _key(
         "hacpo", "§8", "`hacpo` (the method) | `naive` (joint group, plain mean/std, cross rows as GSPO "
         "rows against the source's log-probs, no ω, α = 0) | `isolated` (no sharing: GSPO / GRPO / GSPO×2) | `graft` "
-        "(GRAFT: a receiver's failed groups replaced by a peer's whole group, weighted PPO-clip; keys `graft_*`)",
+        "(GRAFT: a receiver's failed groups replaced by a peer's whole group, weighted PPO-clip; keys `graft_*`) | `sgt` "
+        "(SGT: GRPO plus λ·NLL of one correct peer response per prompt the receiver failed; key `sgt_lambda`)",
         choices=MODES,
     )
     capability_baseline: bool = _key(
@@ -127,6 +129,11 @@ class HacpoSettings:
         "last", "§9", "`mode=graft`: mini-batches holding grafted groups train `last` (the method), `first` or "
         "`uniform`ly mixed (ablations)",
         choices=PEER_ORDERS,
+    )
+    sgt_lambda: float = _key(
+        0.1, "§9", "`mode=sgt`: λ, weight of the token-mean NLL of the imitated peer responses added to the "
+        "receiver's GRPO loss (the value GRAFT's paper ran SGT with); 0 leaves plain GRPO",
+        rule=(lambda v: v >= 0 and math.isfinite(v), "be a finite number >= 0 (0: no imitation term)"),
     )
 
     @property

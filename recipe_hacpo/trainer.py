@@ -42,7 +42,14 @@ from recipe_hacpo.core_algos import (
     compute_hacpo_advantage,
 )
 from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
-from recipe_hacpo.graft_trainer import graft_advantages, graft_exchange, peer_clip_fraction
+from recipe_hacpo.graft_trainer import (
+    graft_advantages,
+    graft_exchange,
+    imitation_nll,
+    peer_clip_fraction,
+    sgt_advantages,
+    sgt_exchange,
+)
 from recipe_hacpo.placement import check_ray_cluster, make_pool, master_port_ranges, request_for
 from recipe_hacpo.reliability import (
     LATEST_FILE,
@@ -258,9 +265,12 @@ class HacpoTrainer:
     # ------------------------------------------------------------------ 4 exchange
     def exchange(self, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
         """Learner batches: own rows, then (when sharing) every peer's rows in its tokenization;
-        in mode graft, per prompt the receiver's own group or one source's whole group."""
+        in mode graft, per prompt the receiver's own group or one source's whole group; in mode
+        sgt, own rows plus one imitation slot per prompt group."""
         if self.hacpo.mode == "graft":
             return graft_exchange(self, rollouts, metrics)
+        if self.hacpo.mode == "sgt":
+            return sgt_exchange(self, rollouts, metrics)
         caps = self.tracker.capabilities()
         batches = {}
         for learner in self.specs:
@@ -283,6 +293,8 @@ class HacpoTrainer:
     def advantages(self, batches: dict[str, DataProto], metrics: dict) -> None:
         if self.hacpo.mode == "graft":
             return graft_advantages(batches, metrics)
+        if self.hacpo.mode == "sgt":
+            return sgt_advantages(batches, metrics)
         caps = self.tracker.capabilities()
         for learner in self.specs:
             batch = batches[learner.name]
@@ -311,9 +323,13 @@ class HacpoTrainer:
 
     def update(self, batches: dict[str, DataProto], metrics: dict) -> None:
         graft = self.hacpo.mode == "graft"
+        sgt = self.hacpo.mode == "sgt"
 
         def rows_per_prompt(spec: AgentSpec) -> int:
-            # graft: each group is one agent's whole group (config.py checks that every n is equal)
+            # graft: each group is one agent's whole group (config.py checks that every n is equal);
+            # sgt: the learner's own group and its one imitation slot
+            if sgt:
+                return spec.rollout_n + 1
             return sum(s.rollout_n for s in self.specs) if self.hacpo.shares and not graft else spec.rollout_n
 
         for name, batch in batches.items():
@@ -327,9 +343,11 @@ class HacpoTrainer:
             agent_metrics.update(check_update_metrics(name, agent_metrics))
             if graft and peer_clip_fraction(agent_metrics) is not None:
                 agent_metrics["graft/peer_clipfrac"] = peer_clip_fraction(agent_metrics)
+            if sgt and imitation_nll(agent_metrics) is not None:
+                agent_metrics["sgt/nll"] = imitation_nll(agent_metrics)
             for key, value in agent_metrics.items():
                 # verl's worker reports loss, grad_norm, lr, perf/... bare; group them under actor/
-                group = key if key.startswith(("actor/", "hacpo/", "graft/")) else f"actor/{key}"
+                group = key if key.startswith(("actor/", "hacpo/", "graft/", "sgt/")) else f"actor/{key}"
                 metrics[f"agent/{name}/{group}"] = value
 
     def _dump_learner_batches(self, batches: dict[str, DataProto]) -> None:
@@ -519,7 +537,7 @@ _LEARNER_TENSORS = (
     "prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
     "old_log_probs", K.REWARD, K.SOURCE, K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN, K.SOURCE_RESPONSE_LENGTH,
 )
-_LEARNER_TENSORS_IF_SET = (K.GROUP_ADVANTAGE,)  # mode graft: every part carries it
+_LEARNER_TENSORS_IF_SET = (K.GROUP_ADVANTAGE, K.IMITATION_MASK)  # modes graft / sgt: every part carries them
 
 
 def _concat_rows(parts: list[DataProto]) -> DataProto:

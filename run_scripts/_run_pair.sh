@@ -8,7 +8,7 @@
 #   PLACEMENT                     preset: the preset's pools | shared: both agents on one shared
 #                                 pool of trainer.n_gpus_per_node x trainer.nnodes GPUs, taking turns
 #   BASELINE                      the method [the preset's: hacpo]: hacpo | naive | gspo | gspo2x |
-#                                 gspo4x | grpo | grpo2x | grpo4x | graft
+#                                 gspo4x | grpo | grpo2x | grpo4x | graft | sgt
 #                                 (configs/baseline/; the same as passing +baseline=NAME)
 # Extra arguments of the pair script are Hydra overrides.
 

@@ -1,4 +1,4 @@
-"""Formula-level tests of GRAFT and SGT (recipe_hacpo.graft): hand-computed selection (balancing,
+"""Formula-level tests of GRAFT (recipe_hacpo.graft; SGT's are in test_sgt.py): hand-computed selection (balancing,
 ties, N = 3), advantages, weights, loss values and gradients; equivalence to verl's GRPO when
 nothing is exchanged; and the HACPO advantage of a group with no row of the learner."""
 
@@ -19,11 +19,9 @@ from recipe_hacpo.graft import (
     compatibility_weight,
     complementary_candidates,
     compute_graft_policy_loss,
-    compute_sgt_loss,
     graft_mini_batch_order,
     graft_selection,
     grpo_advantage,
-    sgt_pick_responses,
 )
 
 F64 = torch.float64
@@ -352,48 +350,3 @@ def test_peer_last_never_puts_a_grafted_update_before_an_own_only_one(num_mini, 
         assert has_peer[int(np.argmax(has_peer)) :].all() or not laid[:, has_peer.argmax() + 1 :].any()
         # an own-only update never follows one holding a grafted group
         assert all(has_peer[i] <= has_peer[i + 1] for i in range(num_mini - 1))
-
-
-# --------------------------------------------------------------------------- SGT
-def test_sgt_pick_by_hand_and_uniform():
-    # q0: receiver 0 failed, peer 1 has rows 2 and 3 correct; q1: receiver solved it; q2: no peer correct;
-    # q3: peers 1 and 2 each have one correct (pooled, N = 3)
-    index = np.array(["q0"] * 4 + ["q1"] * 4 + ["q2"] * 4 + ["q3"] * 3)
-    source = torch.tensor([0, 0, 1, 1] * 3 + [0, 1, 2])
-    correct = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 0, 0, 0, 0, 0, 1, 1], dtype=torch.bool)
-    g = torch.Generator().manual_seed(0)
-    counts: dict[int, int] = {}
-    for _ in range(400):
-        picks = sgt_pick_responses(correct, index, source, 0, g).tolist()
-        assert len(picks) == 2 and picks[0] in (2, 3) and picks[1] in (13, 14)
-        for p in picks:
-            counts[p] = counts.get(p, 0) + 1
-    # binomial(400, 1/2): 150..250 is more than 5 standard deviations either side
-    assert all(150 <= counts[p] <= 250 for p in (2, 3, 13, 14)), counts
-    # receiver 1 failed only q2 (its rows 10, 11), where nobody else is correct either
-    assert sgt_pick_responses(correct, index, source, 1, g).tolist() == []
-
-
-def test_sgt_loss_value_and_gradient_by_hand():
-    # row 0 own (Â = 1, ρ = 1), row 1 imitated: −log π of its two tokens, token-mean, λ = 0.1
-    log_prob = torch.tensor([[-0.5, -1.0], [-2.0, -4.0]], dtype=F64, requires_grad=True)
-    old = torch.tensor([[-0.5, -1.0], [0.0, 0.0]], dtype=F64)
-    adv = torch.tensor([1.0, 0.0], dtype=F64)
-    loss, metrics = compute_sgt_loss(
-        log_prob, old, adv, torch.ones(2, 2), is_imitated=torch.tensor([False, True]), coef=0.1
-    )
-    assert loss.item() == pytest.approx(-1.0 + 0.1 * 3.0)
-    assert metrics["sgt/nll"] == pytest.approx(3.0)
-    (grad,) = torch.autograd.grad(loss, log_prob)
-    assert grad.flatten().tolist() == pytest.approx(sum([[-0.5, -0.5], [-0.05, -0.05]], []))
-
-
-def test_sgt_without_imitated_rows_equals_verl_grpo_loss():
-    g = torch.Generator().manual_seed(4)
-    old = -torch.rand(4, 3, generator=g, dtype=F64)
-    log_prob = (old + 0.1 * torch.randn(4, 3, generator=g, dtype=F64)).requires_grad_(True)
-    adv = torch.randn(4, generator=g, dtype=F64).unsqueeze(-1).expand(4, 3)
-    mask = torch.ones(4, 3, dtype=torch.long)
-    (theirs, _), dual = _verl_vanilla(log_prob, old, adv, mask, 0.2, 0.28)
-    ours, _ = compute_sgt_loss(log_prob, old, adv, mask, is_imitated=torch.zeros(4, dtype=torch.bool), clip_ratio_c=dual)
-    assert torch.allclose(ours, theirs, atol=1e-12)

@@ -1,5 +1,6 @@
 """End to end: `python -m recipe_hacpo.main` with `algorithm.hacpo.mode=graft` through Ray on CPU,
-tiny agents with different tokenizers, 2 agents with checkpoint and resume, and 3 agents."""
+tiny agents with different tokenizers, 2 agents with checkpoint and resume, and 3 agents; and
+`mode=sgt` (`+baseline=sgt`) with 2 agents."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from test_e2e import agent_overrides, assert_finite_losses, assert_weights_chang
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.graft import grpo_advantage
+from recipe_hacpo.sgt import sgt_selection
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
@@ -139,3 +141,68 @@ def test_graft_three_agents(tmp_path, warm_agent_paths):
             assert m[f"agent/{n}/graft/admitted"] + m[f"agent/{n}/graft/dropped"] == m[f"agent/{n}/cross/rows"]
     for kind, name in zip(kinds, names):
         assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
+
+
+def test_sgt_two_agents_imitate_the_drawn_correct_peer_response(tmp_path, warm_agent_paths):
+    from verl import DataProto
+
+    kinds = ["qwen2-char-small", "llama-pair-medium"]
+    names = ["qwen_char", "llama_pair"]
+    seed = 7
+    out = str(tmp_path)
+    records = run_main(
+        out,
+        agent_overrides(warm_agent_paths, kinds)
+        # hacpo_cpu_demo's update: 4 prompts × (4 own rows + 1 imitation slot) = 20 rows, 2 micro-batches
+        + ["+baseline=sgt", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+           "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10",
+           f"actor_rollout_ref.actor.data_loader_seed={seed}",
+           "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1",
+           "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches"],
+    )
+    steps = train_steps(records)
+    assert sorted(steps) == [1, 2]
+    assert_finite_losses(steps, names)
+    imitated_somewhere = 0
+    for step in (1, 2):
+        batches = {n: DataProto.load_from_disk(os.path.join(out, "batches", f"step_{step}", f"{n}.pkl")) for n in names}
+        # the pooled rows of the step (each agent's own rows, agent order): what the draw sees
+        own = [b.select_idxs(torch.nonzero(~b.batch[K.IS_CROSS]).flatten()) for b in batches.values()]
+        correct = torch.cat([o.batch[K.REWARD] > 0 for o in own])
+        uid = np.concatenate([o.non_tensor_batch["uid"] for o in own])
+        source = torch.cat([torch.full((len(o),), k) for k, o in enumerate(own)])
+        text = np.concatenate([o.non_tensor_batch[K.RESPONSE_TEXT] for o in own])
+        for k, name in enumerate(names):
+            b, m = batches[name], steps[step]
+            uids, picks = sgt_selection(correct, uid, source, k, seed=seed, step=step)
+            cross, mask, imit = b.batch[K.IS_CROSS], b.batch["response_mask"], b.batch[K.IMITATION_MASK]
+            assert len(b) == PROMPTS * (G + 1)
+            for q, u in enumerate(uids):
+                rows = np.flatnonzero(b.non_tensor_batch["uid"] == u)
+                (slot,) = rows[cross[rows].numpy()]
+                assert len(rows) == G + 1 and int(mask[slot].sum()) == 0
+                if picks[q] >= 0:
+                    # a correct peer response, the one the run's seed, step and uid draw: a resumed
+                    # run, which recomputes it from these alone, imitates the same response
+                    assert b.non_tensor_batch[K.RESPONSE_TEXT][slot] == text[picks[q]]
+                    assert float(b.batch[K.REWARD][slot]) > 0 and int(b.batch[K.SOURCE][slot]) != k
+                    assert int(imit[slot].sum()) > 0
+                else:
+                    assert int(imit[slot].sum()) == 0
+            imitated = int((picks >= 0).sum())
+            assert m[f"agent/{name}/sgt/prompts_imitated"] == imitated
+            assert m[f"agent/{name}/sgt/imitation_tokens"] == int(imit.sum())
+            # GRPO on own rows: the advantage the loss reads is the agent's own group advantage
+            own_rows = ~cross
+            expected = grpo_advantage(b.batch[K.REWARD][own_rows], b.non_tensor_batch["uid"][own_rows.numpy()])
+            assert torch.allclose(b.batch["advantages"][own_rows],
+                                  expected.float().unsqueeze(-1) * mask[own_rows], atol=1e-6)
+            assert not b.batch["advantages"][cross].any()
+            if imitated:
+                assert 0 < m[f"agent/{name}/sgt/nll"] < 50
+            else:
+                assert f"agent/{name}/sgt/nll" not in m
+            imitated_somewhere += imitated
+    assert imitated_somewhere > 0, "no prompt was imitated in two steps; the test checked nothing"
+    for kind, name in zip(kinds, names):
+        assert_weights_changed(warm_agent_paths[kind], os.path.join(out, "ckpt", "global_step_2", name))

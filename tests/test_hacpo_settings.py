@@ -121,7 +121,7 @@ def test_named_cross_clips():
 
 # (override, the key it must name); every key has at least one bad value here
 BAD = [
-    ("algorithm.hacpo.mode=shared", "mode", "must be one of hacpo, naive, isolated, graft"),
+    ("algorithm.hacpo.mode=shared", "mode", "must be one of hacpo, naive, isolated, graft, sgt"),
     ("algorithm.hacpo.capability_baseline=maybe", "capability_baseline", "must be true or false"),
     ("algorithm.hacpo.discrepancy_coefficient=2", "discrepancy_coefficient", "must be true or false"),
     ("algorithm.hacpo.alpha=-1", "alpha", "must be >= 0"),
@@ -143,6 +143,7 @@ BAD = [
     ("algorithm.hacpo.graft_floor=1.0", "graft_floor", r"must be in \[0, 1\) or null"),
     ("algorithm.hacpo.graft_ratio=seq", "graft_ratio", "must be one of token, sequence"),
     ("algorithm.hacpo.graft_order=random", "graft_order", "must be one of last, first, uniform"),
+    ("algorithm.hacpo.sgt_lambda=-0.1", "sgt_lambda", "must be a finite number >= 0"),
     ("+algorithm.hacpo.alhpa=1", "alhpa", "unknown key"),
 ]
 

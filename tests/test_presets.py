@@ -202,6 +202,8 @@ METHODS = {
     # GRAFT's own loss replaces verl's (loss_mode not read); the paper's 32-prompt updates, each
     # prompt one agent's group of 8
     "graft": ("graft", None, (0.2, 0.28), 8, 256, 4),
+    # SGT: GRPO's 32-prompt updates, each prompt group n own rows plus its one imitation slot
+    "sgt": ("sgt", None, (0.2, 0.28), 8, 288, 4),
 }
 
 
@@ -220,7 +222,12 @@ def test_every_method_makes_the_papers_updates(preset, method):
         assert loss_mode is None or actor.policy_loss.loss_mode == loss_mode
         assert (actor.clip_ratio_low, actor.clip_ratio_high) == clip
         assert spec.rollout_n == n
-        rows_per_prompt = sum(s.rollout_n for s in specs) if hacpo.shares and mode != "graft" else spec.rollout_n
+        if mode == "sgt":
+            rows_per_prompt = spec.rollout_n + 1
+        elif hacpo.shares and mode != "graft":
+            rows_per_prompt = sum(s.rollout_n for s in specs)
+        else:
+            rows_per_prompt = spec.rollout_n
         assert actor.ppo_mini_batch_size * rows_per_prompt == rows_per_update
         assert cfg.data.train_batch_size // actor.ppo_mini_batch_size * actor.ppo_epochs == updates
 

@@ -9,6 +9,7 @@ micro-batch TensorDict:
                  hacpo_is_cross, hacpo_omega, hacpo_source_log_prob_mean,
                  hacpo_source_response_length                                (batch_keys)
     non-tensors  hacpo_update_index (set per mini-batch by `HacpoTrainingWorker`),
+                 hacpo_imitation_tokens (mode=sgt, the same),
                  dp_size, batch_num_tokens, global_batch_size (set by verl)
 """
 
@@ -218,6 +219,88 @@ def graft_actor_loss(
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=aggregation)
     total = _regularised(
         actor_config, pg_loss, log_prob, entropy, padded, response_mask, "token-mean", batch_info, aggregation, metrics
+    )
+    _check_finite(total, pg_loss, update_index)
+    return total, metrics
+
+
+def sgt_actor_loss(
+    actor_config,
+    hacpo: HacpoSettings,
+    model_output,
+    data: TensorDict,
+    dp_group=None,
+    record: Callable[..., None] | None = None,
+):
+    """Loss of one micro-batch under `mode=sgt` (docs/ALGORITHM.md §9, SGT), for verl's FSDP engine.
+
+        L = token-mean over own tokens of ℓ^GRPO  +  λ · token-mean over imitated tokens of (−log π_θR)
+
+    The GRPO term is `graft_actor_loss`'s with w = 1 (verl's vanilla PPO-clip with its dual clip,
+    token-mean over `response_mask`, which is 0 on every imitation-slot row, so verl's
+    `batch_num_tokens` counts own tokens only). The NLL term runs over `IMITATION_MASK`,
+    normalised by the mini-batch's imitated tokens on every rank (`IMITATION_TOKENS`, set by
+    `HacpoTrainingWorker`) exactly as verl normalises a token-mean, so summed over micro-batches
+    and averaged over ranks it is `sgt.compute_sgt_loss` of the whole mini-batch. λ is
+    `hacpo.sgt_lambda`. Entropy and KL terms as verl's, token-mean over own tokens.
+    `record` as for `hacpo_actor_loss` (lower_bound None; cross_rows: the imitation slots).
+    """
+    from verl.trainer.ppo.core_algos import agg_loss
+    from verl.utils import tensordict_utils as tu
+    from verl.utils.metric import AggregationType, Metric
+
+    from recipe_hacpo.graft import graft_policy_loss_matrix
+
+    log_prob, entropy, batch_info, aggregation, update_index = _micro_batch(actor_config, model_output, data)
+    fields = ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.IMITATION_MASK]
+    if actor_config.use_kl_loss:
+        fields.append("ref_log_prob")
+    padded = data.select(*fields).to_padded_tensor()
+    response_mask = padded["response_mask"].to(bool)
+    imitated = padded[K.IMITATION_MASK].to(bool)
+    rows = log_prob.shape[0]
+    loss_mat, pg_metrics = graft_policy_loss_matrix(
+        log_prob,
+        padded["old_log_probs"],
+        padded["advantages"],
+        response_mask,
+        weight=torch.ones(rows),
+        is_grafted=torch.zeros(rows, dtype=torch.bool),
+        clip_ratio_low=_clip(actor_config, "low"),
+        clip_ratio_high=_clip(actor_config, "high"),
+        clip_ratio_c=float(actor_config.clip_ratio_c),
+    )
+    if record is not None:
+        slots = padded[K.IS_CROSS].bool()
+        record(update_index=update_index, lower_bound=None, own_rows=int((~slots).sum()), cross_rows=int(slots.sum()))
+    # SGT's GRPO term is token-mean over the mini-batch whatever actor.loss_agg_mode says
+    pg_loss = agg_loss(loss_mat, response_mask, "token-mean", **batch_info)
+    imitation_tokens = int(tu.get_non_tensor_data(data=data, key=K.IMITATION_TOKENS, default=-1))
+    if imitation_tokens < 0:
+        raise RuntimeError(
+            f"SGT loss: the micro-batch carries no {K.IMITATION_TOKENS}; the actor must be HacpoTrainingWorker"
+        )
+    # −log π on imitated tokens only (a where, not a product: nothing outside them can leak in)
+    nll_mat = torch.where(imitated, -log_prob, torch.zeros_like(log_prob))
+    nll_sum = nll_mat.sum()
+    if imitation_tokens:
+        # verl's token-mean with the mini-batch's imitated tokens in place of batch_num_tokens
+        nll = agg_loss(nll_mat, imitated, "token-mean", **{**batch_info, "batch_num_tokens": imitation_tokens})
+    else:
+        nll = nll_sum * 0.0  # nothing imitated in this mini-batch (keeps the graph)
+    metrics = {
+        key: Metric(value=value, aggregation=AggregationType.MEAN)
+        for key, value in pg_metrics.items()
+        if not key.startswith("graft/")
+    }
+    # the step's NLL is Σ NLL / imitated tokens: both summed over micro-batches and ranks here,
+    # and the trainer divides their step means (as GRAFT's peer clip fraction)
+    metrics["sgt/nll_sum"] = Metric(value=float(nll_sum.detach()), aggregation=AggregationType.SUM)
+    metrics["sgt/nll_tokens"] = Metric(value=float(imitated.sum()), aggregation=AggregationType.SUM)
+    metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=aggregation)
+    total = pg_loss + hacpo.sgt_lambda * nll
+    total = _regularised(
+        actor_config, total, log_prob, entropy, padded, response_mask, "token-mean", batch_info, aggregation, metrics
     )
     _check_finite(total, pg_loss, update_index)
     return total, metrics

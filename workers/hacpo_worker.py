@@ -3,11 +3,14 @@
 Two differences from verl's worker, both by subclassing:
 - in the sharing modes (hacpo, naive) the actor's loss function is `hacpo_actor_loss` (own
   GSPO rows + reweighted cross rows), in mode graft `graft_actor_loss` (PPO-clip against the
-  receiver's old policy, weighted by w); in isolated mode verl's own loss stays installed, so
+  receiver's old policy, weighted by w), in mode sgt `sgt_actor_loss` (GRPO on own rows + λ·NLL
+  of the imitated peer responses); in isolated mode verl's own loss stays installed, so
   `actor.policy_loss.loss_mode` selects verl's gspo or vanilla (GRPO) loss as in verl;
 - the inner training worker numbers the optimizer updates of a training step, so the loss
   knows m of spec §5 (stepwise clipping) for every mini-batch, across ppo epochs, and keeps a
-  record per mini-batch of m, the lower bound the loss used and its own / cross row counts.
+  record per mini-batch of m, the lower bound the loss used and its own / cross row counts; in
+  mode sgt it also counts each mini-batch's imitated tokens over all ranks (the NLL term's
+  token-mean denominator, `batch_keys.IMITATION_TOKENS`).
 Everything else (FSDP engine, old/ref log-probs, checkpoints, weight sync to the rollout
 engine) is verl's own.
 """
@@ -16,15 +19,18 @@ from __future__ import annotations
 
 from functools import partial
 
+import torch
+import torch.distributed as dist
 from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.hacpo_settings import HacpoSettings
-from recipe_hacpo.workers.hacpo_loss import graft_actor_loss, hacpo_actor_loss
+from recipe_hacpo.workers.hacpo_loss import graft_actor_loss, hacpo_actor_loss, sgt_actor_loss
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
+from verl.utils.device import get_device_id
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
 
@@ -52,11 +58,22 @@ class HacpoTrainingWorker(TrainingWorker):
 
     def train_batch(self, data: TensorDict) -> TensorDict:
         tu.assign_non_tensor(data, **{K.UPDATE_INDEX: self._update_index})
+        if K.IMITATION_MASK in data.keys():
+            tu.assign_non_tensor(data, **{K.IMITATION_TOKENS: self._imitation_tokens(data)})
         self._micro_records: list[dict] = []
         output = super().train_batch(data)
         self.update_record.append(self._mini_batch_record(data))
         self._update_index += 1
         return output
+
+    def _imitation_tokens(self, data: TensorDict) -> int:
+        """mode=sgt: imitated tokens of this mini-batch over every data-parallel rank, the NLL
+        term's token-mean denominator (counted as verl's engine counts `batch_num_tokens`)."""
+        count = data[K.IMITATION_MASK].sum().to(torch.long)
+        if dist.is_initialized() and self.engine.get_data_parallel_size() > 1:
+            count = count.to(get_device_id())
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.engine.get_data_parallel_group())
+        return int(count.item())
 
     def record_micro_batch(self, **entry) -> None:
         """Called by the HACPO loss with what one micro-batch's loss used."""
@@ -107,8 +124,8 @@ class HacpoActorRolloutRefWorker(ActorRolloutRefWorker):
         super().init_model()
         if self._is_actor and self.hacpo_loss is not None:
             actor_config = omega_conf_to_dataclass(self.config.actor)
-            # mode=graft trains with GRAFT's weighted PPO-clip loss, hacpo / naive with HACPO's
-            loss = graft_actor_loss if self.hacpo_loss.mode == "graft" else hacpo_actor_loss
+            # mode=graft trains with GRAFT's weighted PPO-clip loss, sgt with GRPO + λ·NLL, hacpo / naive with HACPO's
+            loss = {"graft": graft_actor_loss, "sgt": sgt_actor_loss}.get(self.hacpo_loss.mode, hacpo_actor_loss)
             self.loss_fn = partial(loss, actor_config, self.hacpo_loss, record=self.actor.record_micro_batch)
             self.actor.set_loss_fn(self.loss_fn)
 
