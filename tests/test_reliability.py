@@ -732,68 +732,6 @@ def _own_rows(batch_path: str) -> list[tuple]:
     return [(str(list(prompts[i])), str(truths[i]["ground_truth"])) for i in range(len(batch)) if own[i]]
 
 
-@pytest.mark.e2e
-@pytest.mark.ray
-def test_e2e_sigkill_mid_checkpoint_write_then_resume(tmp_path, tiny_agent_paths):
-    """Kill the whole run (SIGKILL to its process group) while step 2's checkpoint is being
-    written; the torn checkpoint is never published, and the next run resumes from the last
-    complete one with the dataloader position and capability history it had."""
-    import signal
-
-    killed, resumed = str(tmp_path / "killed"), str(tmp_path / "resumed")
-    os.makedirs(killed)
-    common = _agents(tiny_agent_paths) + [
-        "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "trainer.resume_mode=auto",
-    ]
-    ckpt = os.path.join(killed, "ckpt")
-    log = open(os.path.join(killed, "log.txt"), "w")
-    proc = subprocess.Popen(
-        _cli(killed, common + [f"trainer.learner_batch_dir={killed}/batches"]),
-        cwd=REPO, env=_env(killed), stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-    )
-    torn = os.path.join(ckpt, "global_step_2.tmp")
-    deadline = time.monotonic() + 900
-    try:
-        while not os.path.isdir(torn) and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert os.path.isdir(torn), "the run never started writing step 2's checkpoint"
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=60)
-        log.close()
-    # killed mid-write: step 2 is either still a temp dir or (had it finished) complete, never half
-    assert open(os.path.join(ckpt, LATEST_FILE)).read().strip() == "1"
-    step2 = os.path.join(ckpt, "global_step_2")
-    assert not os.path.exists(step2) or checkpoint_problem(step2, NAMES) is None
-    assert sorted(_steps(killed)) == [1]
-    expected = find_resume_checkpoint(ckpt, NAMES).path
-    start_step = int(expected.rsplit("_", 1)[1])
-
-    # resume in the same checkpoint root (the metrics and learner batches of the new run apart)
-    os.makedirs(resumed)
-    proc = subprocess.run(
-        _cli(resumed, common + [f"trainer.default_local_dir={ckpt}", f"trainer.learner_batch_dir={resumed}/batches"]),
-        cwd=REPO, env=_env(resumed), capture_output=True, text=True, timeout=900,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert sorted(_steps(resumed)) == list(range(start_step + 1, 4))
-    assert open(os.path.join(ckpt, LATEST_FILE)).read().strip() == "3"
-    assert not [d for d in os.listdir(ckpt) if d.endswith(".tmp")]
-    for step in (1, 2, 3):
-        assert checkpoint_problem(os.path.join(ckpt, f"global_step_{step}"), NAMES) is None
-    if start_step == 1:
-        for name in NAMES:
-            # the dataloader resumed at the killed run's position: step 2 used the same prompts
-            assert _own_rows(f"{resumed}/batches/step_2/{name}.pkl") == _own_rows(f"{killed}/batches/step_2/{name}.pkl")
-        # the capability history of step 1 came back with the checkpoint
-        before = torch.load(f"{killed}/batches/step_2/tracker.pt")["history"]
-        after = torch.load(f"{resumed}/batches/step_2/tracker.pt")["history"]
-        assert len(after) == 2 and after[0] == before[0]
-    state = torch.load(os.path.join(ckpt, "global_step_3", STATE_FILE), weights_only=False)
-    assert state["global_step"] == 3 and len(state["tracker"]["history"]) == 3
-
-
 # a metric that measures the machine rather than the training (wall times, throughput)
 _MACHINE_METRICS = ("timing_s/", "/timing_s/", "perf/", "/perf/")
 
@@ -841,16 +779,25 @@ def _kill_during(proc, progress_file: str, step: int, phase: str, delay_s: float
 
 @pytest.mark.e2e
 @pytest.mark.ray
-def test_e2e_sigkill_mid_rollout_and_mid_update_then_resume_reproduces_the_uninterrupted_run(
+def test_e2e_killed_mid_checkpoint_and_worker_lost_mid_update_then_resumed_runs_reproduce_the_uninterrupted_run(
     tmp_path, warm_agent_paths
 ):
-    """Kill a run (SIGKILL to its whole process group) a random moment into step 2's rollout,
-    resume it, kill it again a random moment into step 3's update, resume again: the three
-    pieces log the same training metrics, step by step, as a run that was never interrupted,
-    and end on the same weights. (`hacpo_cpu_demo` samples with `rollout.full_determinism`.)"""
-    import random
+    """One run interrupted twice and resumed each time, against the same run never interrupted:
 
-    rng = random.Random()
+    - piece 0 is SIGKILLed (its whole process group) while step 2's checkpoint is being written:
+      the torn checkpoint never becomes latest, and the next piece resumes from step 1;
+    - piece 1 loses one agent's FSDP workers (SIGKILL) a random moment into step 3's update: the
+      run stops with one line naming that agent, and step 3 never becomes a checkpoint;
+    - piece 2 resumes from step 2 and runs to the end.
+
+    The pieces log the same training metrics, step by step, as the uninterrupted run (so the
+    dataloader position and the capability history came back with each checkpoint) and end on
+    the same weights. (`hacpo_cpu_demo` samples with `rollout.full_determinism`.) A kill during the
+    rollout, through verl's vLLM servers, is tests/test_vllm_tier.py's."""
+    import json
+    import random
+    import signal
+
     paths = {"qwen2-char-small": warm_agent_paths["qwen2-char-small"],
              "llama-pair-medium": warm_agent_paths["llama-pair-medium"]}
     common = _agents(paths) + [
@@ -862,53 +809,102 @@ def test_e2e_sigkill_mid_rollout_and_mid_update_then_resume_reproduces_the_unint
     proc = subprocess.run(_cli(reference, common), cwd=REPO, env=_env(reference), capture_output=True, text=True,
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    expected = {step: _training_metrics(data) for step, data in _steps(reference).items()}
+    reference_steps = _steps(reference)
+    expected = {step: _training_metrics(data) for step, data in reference_steps.items()}
     assert sorted(expected) == [1, 2, 3]
     # the comparison has teeth: the agents' rewards and losses move from step to step
     assert len({expected[s]["agent/qwen_char/actor/pg_loss"] for s in expected}) == 3
-    # each kill lands a random moment within the first half of its phase, as long as the phase
-    # took in the uninterrupted run (a fixed window would outlast a fast phase and kill the next)
-    reference_steps = _steps(reference)
-    delays = [rng.uniform(0.0, 0.5) * reference_steps[2]["timing_s/gen"],
-              rng.uniform(0.0, 0.5) * reference_steps[3]["timing_s/update_actor"]]
 
     work = str(tmp_path / "interrupted")
     ckpt = os.path.join(work, "ckpt")
     logged: dict[int, dict] = {}
-    kills = []
-    # piece 0 is killed in step 2's rollout, piece 1 in step 3's update, piece 2 runs to the end
-    plan = [(2, "gen", delays[0]), (3, "update_actor", delays[1]), (None, None, 0.0)]
-    for piece, (step, phase, delay) in enumerate(plan):
+
+    def start(piece: int):
         out = os.path.join(work, f"piece{piece}")
         os.makedirs(out)
         progress = os.path.join(out, "progress.json")
-        cmd = _cli(out, common + [f"trainer.default_local_dir={ckpt}", f"trainer.progress_file={progress}"])
         log = open(os.path.join(out, "log.txt"), "w")
+        cmd = _cli(out, common + [f"trainer.default_local_dir={ckpt}", f"trainer.progress_file={progress}"])
         proc = subprocess.Popen(cmd, cwd=REPO, env=_env(out), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        try:
-            if step is None:
-                assert proc.wait(timeout=900) == 0, open(os.path.join(out, "log.txt")).read()[-4000:]
-            else:
-                kills.append(_kill_during(proc, progress, step, phase, delay))
-                # killed inside step `step`: its checkpoint never became latest
-                assert open(os.path.join(ckpt, LATEST_FILE)).read().strip() == str(step - 1)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-            log.close()
+        return out, progress, log, proc
+
+    def collect(out: str) -> None:
         for s, data in _steps(out).items():
             assert s not in logged, f"step {s} was trained twice"
             logged[s] = _training_metrics(data)
 
-    context = f"kills: {kills}, delays {delays}"
-    assert kills == ["gen of step 2", "update_actor of step 3"], context
-    assert sorted(logged) == [1, 2, 3], context
+    # piece 0: the whole run killed while step 2's checkpoint is being written
+    out, _, log, proc = start(0)
+    torn = os.path.join(ckpt, "global_step_2.tmp")
+    deadline = time.monotonic() + 900
+    try:
+        while not os.path.isdir(torn) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.path.isdir(torn), "the run never started writing step 2's checkpoint"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        log.close()
+    # killed mid-write: step 2 is either still a temp dir or (had it finished) complete, never half
+    assert open(os.path.join(ckpt, LATEST_FILE)).read().strip() == "1"
+    step2 = os.path.join(ckpt, "global_step_2")
+    assert not os.path.exists(step2) or checkpoint_problem(step2, NAMES) is None
+    assert find_resume_checkpoint(ckpt, NAMES).path.endswith("global_step_1")
+    collect(out)
+    assert sorted(logged) == [1]
+
+    # piece 1: one agent's workers SIGKILLed a random moment into step 3's update
+    delay = random.uniform(0.0, 0.5) * reference_steps[3]["timing_s/update_actor"]
+    out, progress, log, proc = start(1)
+    try:
+        seen = _wait_for_phase(proc, progress, 3, "update_actor")
+        victims = seen["workers"]["llama_pair"]
+        assert victims and set(victims).isdisjoint(seen["workers"]["qwen_char"])
+        time.sleep(delay)
+        with open(progress) as f:
+            at_kill = json.load(f)
+        for where in victims:
+            os.kill(int(where.rsplit(":", 1)[1]), signal.SIGKILL)
+        rc = proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        log.close()
+    text = open(os.path.join(out, "log.txt")).read()
+    assert (at_kill["step"], at_kill["phase"]) == (3, "update_actor"), (at_kill, delay)
+    assert rc == 1, text[-4000:]
+    errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
+    assert len(errors) == 1 and errors[0].startswith("error: agent 'llama_pair': "), errors or text[-4000:]
+    assert open(os.path.join(ckpt, LATEST_FILE)).read().strip() == "2"
+    assert not os.path.exists(os.path.join(ckpt, "global_step_3"))
+    collect(out)
+    assert sorted(logged) == [1, 2]
+
+    # piece 2: to the end
+    out, _, log, proc = start(2)
+    try:
+        assert proc.wait(timeout=900) == 0, open(os.path.join(out, "log.txt")).read()[-4000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=60)
+        log.close()
+    collect(out)
+
+    assert sorted(logged) == [1, 2, 3]
     for step in (1, 2, 3):
-        assert logged[step].keys() == expected[step].keys(), context
+        assert logged[step].keys() == expected[step].keys()
         for key, value in expected[step].items():
             assert math.isclose(logged[step][key], value, rel_tol=1e-6, abs_tol=1e-9), (step, key, value,
-                                                                                         logged[step][key], context)
+                                                                                         logged[step][key])
+    assert open(os.path.join(ckpt, LATEST_FILE)).read().strip() == "3"
+    assert not [d for d in os.listdir(ckpt) if d.endswith(".tmp")]
+    for step in (1, 2, 3):
+        assert checkpoint_problem(os.path.join(ckpt, f"global_step_{step}"), NAMES) is None
+    state = torch.load(os.path.join(ckpt, "global_step_3", STATE_FILE), weights_only=False)
+    assert state["global_step"] == 3 and len(state["tracker"]["history"]) == 3
     for name in NAMES:
         actor = os.path.join("global_step_3", name, "actor", "model_world_size_1_rank_0.pt")
         ours = torch.load(os.path.join(ckpt, actor), weights_only=False)
@@ -917,43 +913,4 @@ def test_e2e_sigkill_mid_rollout_and_mid_update_then_resume_reproduces_the_unint
         for key in ours:
             a = ours[key].to_local() if hasattr(ours[key], "to_local") else ours[key]
             b = theirs[key].to_local() if hasattr(theirs[key], "to_local") else theirs[key]
-            assert torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-8), (name, key, context)
-
-
-@pytest.mark.e2e
-@pytest.mark.ray
-def test_e2e_worker_killed_mid_update_stops_the_run_naming_its_agent(tmp_path, tiny_agent_paths):
-    """SIGKILL one agent's FSDP worker process during step 2's update: the run stops with one
-    line naming that agent, and step 2 never becomes a checkpoint."""
-    import signal
-
-    out = str(tmp_path)
-    progress = os.path.join(out, "progress.json")
-    cmd = _cli(out, _agents(tiny_agent_paths) + [
-        "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", f"trainer.progress_file={progress}",
-    ])
-    log_path = os.path.join(out, "log.txt")
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env(out), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        try:
-            seen = _wait_for_phase(proc, progress, 2, "update_actor")
-            victims = seen["workers"]["llama_pair"]
-            assert victims and set(victims).isdisjoint(seen["workers"]["qwen_char"])
-            for where in victims:
-                os.kill(int(where.rsplit(":", 1)[1]), signal.SIGKILL)
-            rc = proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=60)
-    text = open(log_path).read()
-    assert rc == 1, text[-4000:]
-    errors = [ln for ln in text.splitlines() if ln.startswith("error: ")]
-    assert len(errors) == 1 and errors[0].startswith("error: agent 'llama_pair': "), errors or text[-4000:]
-    ckpt = os.path.join(out, "ckpt")
-    assert open(os.path.join(ckpt, LATEST_FILE)).read().strip() == "1"
-    assert sorted(os.listdir(ckpt)) == ["global_step_1", LATEST_FILE]
-    assert checkpoint_problem(os.path.join(ckpt, "global_step_1"), NAMES) is None
-    assert sorted(_steps(out)) == [1]
+            assert torch.allclose(a.float(), b.float(), rtol=1e-6, atol=1e-8), (name, key)
