@@ -297,3 +297,12 @@ def test_18_lora_reference_in_actor_and_merged_sync():
     init = _source(engine_workers.ActorRolloutRefWorker.init_model)
     _contract("18 (lora.merge)", 'model_config.lora.get("merge", False)' in init,
               "the merge switch is no longer read from model.lora.merge")
+
+
+def test_19_sgt_imitation_tokens_are_summed_over_the_engines_data_parallel_group():
+    from verl.workers.engine.base import BaseEngine
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    for name in ("get_data_parallel_size", "get_data_parallel_group"):
+        _contract(f"19 ({name})", callable(getattr(BaseEngine, name, None)) and callable(getattr(FSDPEngine, name, None)),
+                  f"verl's engine API no longer has {name}()")
