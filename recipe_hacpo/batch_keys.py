@@ -40,6 +40,13 @@ the λ·NLL term), 0 elsewhere. Every row of the imitation slot (one per prompt 
 response_mask, so it is in neither GRPO's loss nor its token count; a slot whose prompt has
 nothing to imitate is zero here as well."""
 
+SELECTED = "hacpo_selected"
+"""bool [B] — share_selection=complementary (mode hacpo / naive) only: True on own rows and on a
+peer S's rows of the prompts GRAFT's selection gives this learner from S (§9). A False row keeps
+its place (every prompt group keeps its size for the mini-batch layout) with a zeroed
+response_mask and advantage 0: it is in neither the loss, its token and row counts, nor the §2
+group statistics. Absent under share_selection=all."""
+
 # non_tensor_batch (numpy object arrays)
 RESPONSE_TEXT = "hacpo_response_text"
 """object [B] — decoded response text (no special tokens); what crosses tokenizers."""
@@ -50,6 +57,11 @@ FINISHED = "hacpo_finished"
 # meta_info / non-tensor scalars passed to the worker
 UPDATE_INDEX = "hacpo_update_index"
 """int — m of spec §5: optimizer updates the learner already made in this training step."""
+
+LOSS_ROWS = "hacpo_loss_rows"
+"""int — share_selection=complementary: SELECTED rows of the whole mini-batch over every
+data-parallel rank, set per mini-batch by `HacpoTrainingWorker`: the seq-mean denominator of the
+HACPO loss in place of verl's `global_batch_size` (every row of the mini-batch)."""
 
 IMITATION_TOKENS = "hacpo_imitation_tokens"
 """int — mode=sgt: imitated tokens (Σ IMITATION_MASK) of the whole mini-batch over every

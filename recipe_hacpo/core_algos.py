@@ -190,6 +190,22 @@ def _group_sum(values: torch.Tensor, group: torch.Tensor, num_groups: int) -> to
     return torch.zeros(num_groups, dtype=values.dtype).index_add_(0, group, values)
 
 
+def _row_validity(valid: torch.Tensor | np.ndarray | Sequence[bool] | None, rows: int) -> torch.Tensor | None:
+    """V as bool [B] (None: every row valid), checked against the batch's row count."""
+    if valid is None:
+        return None
+    valid = torch.as_tensor(np.asarray(valid, dtype=bool)).reshape(-1)
+    if valid.shape[0] != rows:
+        raise ValueError(f"valid must be [B] = [{rows}], got {valid.shape[0]} rows")
+    return valid
+
+
+def _valid_rows_only(valid: torch.Tensor, index, source) -> tuple[np.ndarray, torch.Tensor]:
+    """index and source of the valid rows, in batch order."""
+    keep = valid.numpy()
+    return np.asarray(index, dtype=object).reshape(-1)[keep], torch.as_tensor(np.asarray(source))[valid]
+
+
 def capability_baseline(
     rewards: torch.Tensor,
     index: np.ndarray | Sequence,
@@ -200,6 +216,7 @@ def capability_baseline(
     use_capability_baseline: bool = DEFAULTS.capability_baseline,
     omega_clip: tuple[float, float] = DEFAULTS.omega_clip,
     baseline_cap: float | None = DEFAULTS.baseline_cap,
+    valid: torch.Tensor | np.ndarray | Sequence[bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The group baseline μ̂^(k)_g of spec §2, per row, and where the baseline guard caught it.
 
@@ -216,11 +233,23 @@ def capability_baseline(
         rewards: R_i, [B].  index: group id per row, [B].  source: src(i), int [B].
         learner: k.  capability: P̂ per agent, [N].
         baseline_cap: the ceiling; None turns the guard off (the paper's formula as written).
+        valid: V, bool [B] (None: every row); g is read as g ∩ V, as in `compute_hacpo_advantage`.
 
     Returns:
-        (μ̂ of each row's group, float64 [B]; bool [B], True on rows of guarded groups).
+        (μ̂ of each row's group, float64 [B], 0 on rows outside V; bool [B], True on (valid)
+        rows of guarded groups).
     """
     r = torch.as_tensor(rewards).detach().to(torch.float64)
+    keep = _row_validity(valid, r.shape[0])
+    if keep is not None:
+        # the same function on the valid rows alone: a row outside V cannot reach μ̂
+        mean, guarded = torch.zeros_like(r), torch.zeros(r.shape[0], dtype=torch.bool)
+        sub_index, sub_source = _valid_rows_only(keep, index, source)
+        mean[keep], guarded[keep] = capability_baseline(
+            r[keep], sub_index, sub_source, learner, capability,
+            use_capability_baseline=use_capability_baseline, omega_clip=omega_clip, baseline_cap=baseline_cap,
+        )
+        return mean, guarded
     group = _group_ids(index)
     num_groups = int(group.max()) + 1 if len(group) else 0
     count = _group_sum(torch.ones_like(r), group, num_groups)
@@ -251,6 +280,7 @@ def compute_hacpo_advantage(
     epsilon: float = 1e-6,
     omega_clip: tuple[float, float] = DEFAULTS.omega_clip,
     baseline_cap: float | None = DEFAULTS.baseline_cap,
+    valid: torch.Tensor | np.ndarray | Sequence[bool] | None = None,
 ) -> torch.Tensor:
     """Capability-aware group advantage of learner k (spec §2).
 
@@ -265,6 +295,14 @@ def compute_hacpo_advantage(
     μ̂ is the plain group mean (ablation); with `norm_by_std=False` there is no division
     (Dr.GRPO). With one agent and no cross rows this is verl's GRPO outcome advantage.
 
+    With a row validity V (`share_selection=complementary`, docs/ALGORITHM.md §9) every group
+    is read as g ∩ V: μ̂ and σ are the formulas above over the valid rows only, and
+
+        A^(k)_i = 0                                          for i ∉ V
+
+    so a row outside V changes neither μ̂ nor σ. V = None (every row valid) is the formula
+    above, number for number.
+
     Args:
         rewards: R_i, float [B].
         index: group id per row (verl's `uid`), [B].
@@ -273,9 +311,10 @@ def compute_hacpo_advantage(
         capability: P̂ per agent, [N].
         baseline_cap: the baseline guard's ceiling (1.0 for rewards in [0, 1]); a group whose
             μ̂ exceeds it uses the learner's own-sample mean instead. None: no guard.
+        valid: V, bool [B]: the rows of the group statistics (None: every row).
 
     Returns:
-        A^(k), [B], dtype of `rewards`.
+        A^(k), [B], dtype of `rewards` (0 outside V).
     """
     rewards = torch.as_tensor(rewards)
     if rewards.dim() != 1:
@@ -286,6 +325,18 @@ def compute_hacpo_advantage(
             f"compute_hacpo_advantage: rewards has {batch} rows, index {len(index)}, source {len(source)}"
         )
     _check_omega_clip(omega_clip)
+    keep = _row_validity(valid, batch)
+    if keep is not None:
+        # the same function on the valid rows alone, scattered back; 0 elsewhere
+        sub_index, sub_source = _valid_rows_only(keep, index, source)
+        sub = compute_hacpo_advantage(
+            rewards[keep], sub_index, sub_source, learner, capability,
+            use_capability_baseline=use_capability_baseline, norm_by_std=norm_by_std, epsilon=epsilon,
+            omega_clip=omega_clip, baseline_cap=baseline_cap,
+        )
+        adv = torch.zeros(batch, dtype=sub.dtype)
+        adv[keep] = sub
+        return adv
     if batch == 0:
         return rewards.clone()
 
@@ -478,6 +529,7 @@ def _loss_metrics(
     with torch.no_grad():
         own_rows = (~is_cross) & (mask.sum(-1) > 0)
         cross_rows = is_cross & (mask.sum(-1) > 0)
+        in_loss = own_rows | cross_rows
         clipped = torch.gt(gspo_2, gspo_1).to(mask.dtype)
         own_mask = mask * own_rows.unsqueeze(-1)
         own_tokens = own_mask.sum()
@@ -486,7 +538,9 @@ def _loss_metrics(
         metrics = {
             "actor/pg_clipfrac": own_clipfrac,
             "actor/ppo_kl": own_kl,
-            "hacpo/cross_frac": float(cross_rows.float().mean()) if cross_rows.numel() else 0.0,
+            # over the rows in the loss: a row without response tokens (a peer row outside
+            # share_selection=complementary's selection) is neither own nor cross here
+            "hacpo/cross_frac": float(cross_rows.float().sum() / in_loss.float().sum()) if in_loss.any() else 0.0,
             "hacpo/lower_bound": float(lower),
         }
         s = seq_log_ratio[cross_rows].clamp(max=_LOG_RATIO_MAX).exp()

@@ -13,6 +13,8 @@ the trainer's. docs/ALGORITHM.md, GRAFT:
     G4  the loss in the workers (`workers.hacpo_loss.graft_actor_loss`)
     G5  the mini-batch order in `AgentRuntime.update` (`graft.graft_mini_batch_order`)
 
+G1 also serves HACPO and Naive as their share rule (`share_selection=complementary`,
+docs/ALGORITHM.md §9; `complementary_sources`, `mark_selected`, called from `HacpoTrainer.exchange`),
 and SGT (docs/ALGORITHM.md §9, SGT; `sgt_exchange`, `sgt_advantages`):
 
     every agent's GRPO advantage on its own groups (own rows only, as G2)
@@ -24,7 +26,7 @@ and SGT (docs/ALGORITHM.md §9, SGT; `sgt_exchange`, `sgt_advantages`):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
@@ -52,6 +54,57 @@ def correct_counts(rollouts: dict[str, DataProto], names: list[str]) -> tuple[li
         q = torch.as_tensor([where[u] for u in batch.non_tensor_batch["uid"].tolist()], dtype=torch.long)
         correct[a].index_add_(0, q, (batch.batch[K.REWARD] > 0).long())
     return uids, correct
+
+
+class ShareSelection(NamedTuple):
+    """GRAFT's G1 selection of one step as a share rule: `source_of[R, q]` is the one peer whose
+    rows learner R trains on for prompt q (−1: none), `prompt_of` a uid's q."""
+
+    prompt_of: dict[str, int]
+    source_of: torch.Tensor  # long [N_R, Q]
+
+
+def complementary_sources(trainer: "HacpoTrainer", rollouts: dict[str, DataProto]) -> ShareSelection:
+    """`share_selection=complementary` (mode hacpo / naive): GRAFT's G1, computed as mode graft does.
+
+        C_{S→R} = { q : k_R(q) = 0  and  1 ≤ k_S(q) < n_S },  balanced per unordered pair
+        (`graft_balance`), one source per (R, q) when N ≥ 3 (`graft.graft_selection`)
+
+    Learner R keeps every own row and, of peer S's rows, those of the prompts with source_of[R, q] = S.
+    """
+    names = [s.name for s in trainer.specs]
+    uids, correct = correct_counts(rollouts, names)
+    sizes = torch.as_tensor([s.rollout_n for s in trainer.specs], dtype=torch.long)
+    source_of = graft_selection(correct, sizes, balance=trainer.hacpo.graft_balance)
+    return ShareSelection({u: i for i, u in enumerate(uids)}, source_of)
+
+
+def mark_selected(part: DataProto, selection: ShareSelection, learner: int) -> DataProto:
+    """Tag one part of learner R's batch with `SELECTED`; zero the response_mask of the others.
+
+    The unselected peer rows stay (every prompt group keeps its size, as the mini-batch layout
+    needs) but with no response token they are in neither the loss nor its token and row counts;
+    the advantage leaves them out of the group statistics (`SELECTED` is its row validity).
+    """
+    q = torch.as_tensor([selection.prompt_of[u] for u in part.non_tensor_batch["uid"].tolist()], dtype=torch.long)
+    chosen = selection.source_of[learner, q] if len(q) else q
+    selected = ~part.batch[K.IS_CROSS] | (chosen == part.batch[K.SOURCE])
+    part.batch[K.SELECTED] = selected
+    if not bool(selected.all()):
+        # a new tensor, never in place: an own part is the learner's rollout itself
+        mask = part.batch["response_mask"]
+        part.batch["response_mask"] = mask * selected.to(mask.dtype).unsqueeze(-1)
+    return part
+
+
+def selection_metrics(name: str, batch: DataProto, selection: ShareSelection, learner: int) -> dict[str, float]:
+    """cross/rows_selected (peer rows in the loss) and cross/groups_selected (peer groups, one
+    source's rows for one prompt, this learner trains on)."""
+    peer_selected = batch.batch[K.SELECTED] & batch.batch[K.IS_CROSS]
+    return {
+        f"agent/{name}/cross/rows_selected": float(peer_selected.sum()),
+        f"agent/{name}/cross/groups_selected": float((selection.source_of[learner] >= 0).sum()),
+    }
 
 
 def graft_exchange(trainer: "HacpoTrainer", rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
@@ -252,6 +305,7 @@ def peer_clip_fraction(update_metrics: dict[str, float]) -> float | None:
 
 
 __all__ = [
+    "ShareSelection", "complementary_sources", "mark_selected", "selection_metrics",
     "correct_counts", "graft_exchange", "graft_advantages", "peer_clip_fraction",
     "sgt_exchange", "sgt_advantages", "imitation_nll",
 ]

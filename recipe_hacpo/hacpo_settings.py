@@ -42,6 +42,14 @@ set by users: `mode=naive` selects it (`HacpoSettings.effective`)."""
 CROSS_CLIP_MODES = USER_CROSS_CLIPS + (NAIVE_CROSS_CLIP,)
 """Every cross clip the loss accepts."""
 
+SHARE_SELECTIONS = ("all", "complementary")
+"""Which peer rows a learner of the sharing modes trains on (§9, the selection as its own switch):
+all (every peer row, HACPO and Naive as published) or complementary (GRAFT's G1 selection)."""
+
+SELECTING_MODES = ("hacpo", "naive")
+"""The modes `share_selection` switches; mode=graft always selects complementarily (its G1), and
+isolated (no sharing) and sgt (its own selection I_R) have nothing for the key to select."""
+
 CROSS_RATIO_LENGTHS = ("each", "source")
 """Length normaliser of the cross ratio (§4): each (each tokenisation's own length, the authors'
 code) or source (one exponent 1/|y^(j)|, the paper's Eq. 11)."""
@@ -108,9 +116,17 @@ class HacpoSettings:
         "the authors' implementations; 1.0 is the ceiling of 0/1 rewards); `null`: no guard (the paper's formula)",
         rule=(lambda v: v is None or math.isfinite(v), "be a finite number (the reward ceiling) or null (no guard)"),
     )
+    share_selection: str = _key(
+        "all", "§9", "`mode=hacpo` and `naive`: which peer rows a learner trains on: `all` (every peer row, the methods "
+        "as published) | `complementary` (peer S's rows for prompt q only where q is in GRAFT's selection for S→R, "
+        "G1 with `graft_balance`; the other peer rows keep their place in the batch but are in neither the loss "
+        "nor the §2 group statistics). `mode=graft`: implied (G1), not read; `isolated`, `sgt`: must be `all`",
+        choices=SHARE_SELECTIONS,
+    )
     graft_balance: bool = _key(
-        True, "§9", "`mode=graft`: balance each pair of agents to m = min(|C_{S→R}|, |C_{R→S}|) groups per "
-        "direction, ties with the m-th kept; `false`: every candidate group (ablation)"
+        True, "§9", "`mode=graft` (and `share_selection=complementary`): balance each pair of agents to "
+        "m = min(|C_{S→R}|, |C_{R→S}|) groups per direction, ties with the m-th kept; `false`: every "
+        "candidate group (ablation)"
     )
     graft_weight: bool = _key(
         True, "§9", "`mode=graft`: weigh each grafted response by w = 1[s > δ]·min(s, 1); `false`: w = 1 and "
@@ -140,6 +156,11 @@ class HacpoSettings:
     def shares(self) -> bool:
         """Whether learners see each other's rollouts."""
         return self.mode != "isolated"
+
+    @property
+    def selects_complementary(self) -> bool:
+        """Whether a sharing learner trains only on the peer rows of GRAFT's selection (§9)."""
+        return self.mode in SELECTING_MODES and self.share_selection == "complementary"
 
     def effective(self) -> "HacpoSettings":
         """The settings the Naive baseline implies (§8); HACPO and isolated unchanged."""
@@ -173,6 +194,12 @@ class HacpoSettings:
             raise ConfigError(
                 f"{_at('cross_clip', settings.cross_clip)}: must be {', '.join(USER_CROSS_CLIPS[:-1])} or "
                 f"{USER_CROSS_CLIPS[-1]} (the Naive baseline is {PATH}.mode=naive)"
+            )
+        if settings.share_selection != "all" and settings.mode not in SELECTING_MODES + ("graft",):
+            why = "shares nothing" if settings.mode == "isolated" else "has its own selection (I_R)"
+            raise ConfigError(
+                f"{_at('share_selection', settings.share_selection)}: must be all with {PATH}.mode={settings.mode}, "
+                f"which {why}; complementary selects the peer rows of mode=hacpo or naive"
             )
         return settings
 

@@ -43,10 +43,13 @@ from recipe_hacpo.core_algos import (
 )
 from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
 from recipe_hacpo.graft_trainer import (
+    complementary_sources,
     graft_advantages,
     graft_exchange,
     imitation_nll,
+    mark_selected,
     peer_clip_fraction,
+    selection_metrics,
     sgt_advantages,
     sgt_exchange,
 )
@@ -264,14 +267,18 @@ class HacpoTrainer:
 
     # ------------------------------------------------------------------ 4 exchange
     def exchange(self, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
-        """Learner batches: own rows, then (when sharing) every peer's rows in its tokenization;
-        in mode graft, per prompt the receiver's own group or one source's whole group; in mode
-        sgt, own rows plus one imitation slot per prompt group."""
+        """Learner batches: own rows, then (when sharing) every peer's rows in its tokenization,
+        with share_selection=complementary only GRAFT's selected peer rows in the loss; in mode
+        graft, per prompt the receiver's own group or one source's whole group; in mode sgt, own
+        rows plus one imitation slot per prompt group."""
         if self.hacpo.mode == "graft":
             return graft_exchange(self, rollouts, metrics)
         if self.hacpo.mode == "sgt":
             return sgt_exchange(self, rollouts, metrics)
         caps = self.tracker.capabilities()
+        # share_selection=complementary: GRAFT's G1 picks, per learner and prompt, the one peer
+        # whose rows enter the loss (None: every peer row, the methods as published)
+        selection = complementary_sources(self, rollouts) if self.hacpo.selects_complementary else None
         batches = {}
         for learner in self.specs:
             parts = [_tag(rollouts[learner.name], source=learner.index, cross=False, omega=1.0)]
@@ -285,8 +292,12 @@ class HacpoTrainer:
                         omega = 1.0
                     parts.append(_tag(converted, source=src.index, cross=True, omega=omega))
                     metrics[f"agent/{learner.name}/omega/{src.name}"] = omega
+            if selection is not None:
+                parts = [mark_selected(p, selection, learner.index) for p in parts]
             batch = _concat_rows(parts)
             metrics[f"agent/{learner.name}/cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
+            if selection is not None:
+                metrics.update(selection_metrics(learner.name, batch, selection, learner.index))
             batches[learner.name] = batch
         return batches
 
@@ -299,18 +310,22 @@ class HacpoTrainer:
         for learner in self.specs:
             batch = batches[learner.name]
             group = (batch.batch[K.REWARD], batch.non_tensor_batch["uid"], batch.batch[K.SOURCE], learner.index, caps)
+            # share_selection=complementary: the group statistics run over the selected rows only
+            valid = batch.batch[K.SELECTED] if K.SELECTED in batch.batch.keys() else None
             options = dict(
                 use_capability_baseline=self.effective.capability_baseline,
                 omega_clip=self.hacpo.omega_clip,
                 baseline_cap=self.hacpo.baseline_cap,
+                valid=valid,
             )
             adv = compute_hacpo_advantage(*group, norm_by_std=self.hacpo.norm_by_std, **options)
             _, guarded = capability_baseline(*group, **options)
             mask = batch.batch["response_mask"]
             batch.batch["advantages"] = adv.float().unsqueeze(-1) * mask
             batch.batch["returns"] = batch.batch["advantages"]
-            metrics[f"agent/{learner.name}/advantage/mean"] = float(adv.mean())
-            metrics[f"agent/{learner.name}/advantage/abs_mean"] = float(adv.abs().mean())
+            shown = adv if valid is None else adv[valid]  # over the rows that train
+            metrics[f"agent/{learner.name}/advantage/mean"] = float(shown.mean())
+            metrics[f"agent/{learner.name}/advantage/abs_mean"] = float(shown.abs().mean())
             # groups (prompts) of this step whose baseline the §2 guard replaced by the own mean
             guarded_uids = batch.non_tensor_batch["uid"][guarded.numpy()]
             metrics[f"agent/{learner.name}/advantage/guard_groups"] = float(len(set(guarded_uids.tolist())))
@@ -516,7 +531,8 @@ def summary_lines(metrics: dict[str, float], step: int, total: int) -> str:
         if omegas:
             fields.append("ω " + ", ".join(omegas))
         if "cross/rows" in m:
-            fields.append(f"cross rows {int(m['cross/rows'])}")
+            selected = f" ({int(m['cross/rows_selected'])} selected)" if "cross/rows_selected" in m else ""
+            fields.append(f"cross rows {int(m['cross/rows'])}{selected}")
         lines.append(f"step {step}/{total} {name}: " + "  ".join(fields))
     return "\n".join(lines)
 
@@ -537,7 +553,8 @@ _LEARNER_TENSORS = (
     "prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
     "old_log_probs", K.REWARD, K.SOURCE, K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN, K.SOURCE_RESPONSE_LENGTH,
 )
-_LEARNER_TENSORS_IF_SET = (K.GROUP_ADVANTAGE, K.IMITATION_MASK)  # modes graft / sgt: every part carries them
+# modes graft / sgt, share_selection=complementary: every part carries them
+_LEARNER_TENSORS_IF_SET = (K.GROUP_ADVANTAGE, K.IMITATION_MASK, K.SELECTED)
 
 
 def _concat_rows(parts: list[DataProto]) -> DataProto:

@@ -196,6 +196,89 @@ def test_uniform_groups_get_zero_advantage(value, size, sources, caps, learner, 
     assert torch.equal(a, torch.zeros(size))
 
 
+# --------------------------------------------------------------------------- §2 with a row validity (§9)
+def test_advantage_with_a_validity_mask_by_hand():
+    # one group, learner 0 (P̂ 0.4) failed both; peer 1 (P̂ 0.1, ω^(0,1) = 4) rows [1, 0] selected,
+    # peer 2 (P̂ 0.5) rows [1, 1] not selected: they must change neither μ̂ nor σ
+    rewards = torch.tensor([0.0, 0.0, 1.0, 0.0, 1.0, 1.0], dtype=F64)
+    index = ["q"] * 6
+    source = torch.tensor([0, 0, 1, 1, 2, 2])
+    cap = torch.tensor([0.4, 0.1, 0.5], dtype=F64)
+    valid = torch.tensor([True, True, True, True, False, False])
+    # V = own + peer 1: μ̂ = (0 + 0 + 4·1 + 4·0) / 4 = 1.0 (not above the cap 1.0);
+    # σ = unbiased std of [0, 0, 1, 0] = 0.5
+    mu, guarded = capability_baseline(rewards, index, source, 0, cap, valid=valid)
+    assert mu.tolist() == pytest.approx([1.0] * 4 + [0.0] * 2) and not guarded.any()
+    a = compute_hacpo_advantage(rewards, index, source, 0, cap, valid=valid)
+    expected = [(r - 1.0) / (0.5 + 1e-6) for r in (0.0, 0.0, 1.0, 0.0)] + [0.0, 0.0]
+    assert a.tolist() == pytest.approx(expected, rel=1e-12)
+    # the same numbers as the batch without the excluded rows
+    alone = compute_hacpo_advantage(rewards[:4], index[:4], source[:4], 0, cap)
+    assert torch.equal(a[:4], alone)
+    # whatever the excluded rows hold
+    other = rewards.clone()
+    other[4:] = torch.tensor([0.0, 7.0], dtype=F64)
+    assert torch.equal(compute_hacpo_advantage(other, index, source, 0, cap, valid=valid), a)
+    # plain mean (Naive) over V: 1/4, and the guard counts only valid groups
+    plain = compute_hacpo_advantage(rewards, index, source, 0, cap, valid=valid, use_capability_baseline=False)
+    assert plain.tolist() == pytest.approx([(r - 0.25) / (0.5 + 1e-6) for r in (0.0, 0.0, 1.0, 0.0)] + [0.0, 0.0])
+
+
+def test_advantage_validity_mask_guard_and_rows_without_a_valid_peer():
+    # group a: own [1, 1], peer (ω = 5) [1, 0] selected → μ̂ = (1 + 1 + 5) / 4 > 1 → own mean 1;
+    # group b: own [0, 1], peer rows excluded → μ̂ over own rows only = 0.5, σ = std([0, 1])
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 1.0, 1.0, 1.0], dtype=F64)
+    index = ["a"] * 4 + ["b"] * 4
+    source = torch.tensor([0, 0, 1, 1] * 2)
+    cap = torch.tensor([0.5, 0.1], dtype=F64)
+    valid = torch.tensor([True] * 6 + [False] * 2)
+    mu, guarded = capability_baseline(rewards, index, source, 0, cap, valid=valid)
+    assert guarded.tolist() == [True] * 4 + [False] * 4
+    assert mu.tolist() == pytest.approx([1.0] * 4 + [0.5] * 2 + [0.0] * 2)
+    a = compute_hacpo_advantage(rewards, index, source, 0, cap, valid=valid)
+    std_a, std_b = float(torch.tensor([1.0, 1, 1, 0], dtype=F64).std()), float(torch.tensor([0.0, 1], dtype=F64).std())
+    expected = [(r - 1.0) / (std_a + 1e-6) for r in (1.0, 1.0, 1.0, 0.0)]
+    expected += [(r - 0.5) / (std_b + 1e-6) for r in (0.0, 1.0)] + [0.0, 0.0]
+    assert a.tolist() == pytest.approx(expected, rel=1e-12)
+    with pytest.raises(ValueError, match="valid must be"):
+        compute_hacpo_advantage(rewards, index, source, 0, cap, valid=valid[:5])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rewards=st.lists(st.sampled_from([0.0, 1.0, 0.5]), min_size=1, max_size=18),
+    groups=st.integers(min_value=1, max_value=4),
+    sources=st.lists(st.integers(0, 2), min_size=18, max_size=18),
+    caps=st.lists(st.floats(min_value=1e-3, max_value=1.0), min_size=3, max_size=3),
+    keep=st.lists(st.booleans(), min_size=18, max_size=18),
+    learner=st.integers(0, 2),
+    baseline=st.booleans(),
+    norm=st.booleans(),
+    cap=st.sampled_from([None, 1.0]),
+)
+def test_validity_mask_is_the_batch_without_the_excluded_rows(
+    rewards, groups, sources, caps, keep, learner, baseline, norm, cap
+):
+    b = len(rewards)
+    r = torch.tensor(rewards, dtype=F64)
+    index = np.array([f"u{i % groups}" for i in range(b)], dtype=object)
+    source = torch.tensor(sources[:b])
+    options = dict(use_capability_baseline=baseline, norm_by_std=norm, baseline_cap=cap)
+    today = compute_hacpo_advantage(r, index, source, learner, torch.tensor(caps), **options)
+    # every row valid: today's numbers exactly
+    every = compute_hacpo_advantage(r, index, source, learner, torch.tensor(caps), valid=[True] * b, **options)
+    assert torch.equal(every, today)
+    # some rows excluded: 0 there, and elsewhere exactly the batch without them
+    valid = torch.tensor(keep[:b])
+    a = compute_hacpo_advantage(r, index, source, learner, torch.tensor(caps), valid=valid, **options)
+    assert torch.equal(a[~valid], torch.zeros(int((~valid).sum()), dtype=F64))
+    if valid.any():
+        without = compute_hacpo_advantage(
+            r[valid], index[valid.numpy()], source[valid], learner, torch.tensor(caps), **options
+        )
+        assert torch.equal(a[valid], without)
+
+
 # --------------------------------------------------------------------------- §1 ω
 @settings(max_examples=100, deadline=None)
 @given(
@@ -299,6 +382,38 @@ def test_one_agent_loss_equals_verl_gspo_value_and_gradient(seed, clip):
     assert torch.allclose(g_ours, g_theirs, atol=1e-10)
     assert metrics["actor/pg_clipfrac"] == pytest.approx(their_metrics["actor/pg_clipfrac"])
     assert metrics["hacpo/cross_frac"] == 0.0
+
+
+@pytest.mark.parametrize("cross_clip", ["stepwise", "none", "gspo"])
+def test_loss_ignores_rows_with_a_zeroed_response_mask(cross_clip):
+    """share_selection=complementary: an unselected peer row (response_mask 0, advantage 0) is
+    in neither the loss value, its gradient, its seq-mean row count nor the cross metrics."""
+    log_prob, old, adv, mask = _batch(b=8, t=5, seed=4)
+    is_cross = torch.tensor([False, False, True, True, True, True, False, True])
+    excluded = torch.tensor([False, False, False, True, False, True, False, True])
+    source_lp = (log_prob.detach() * mask).sum(-1) / mask.sum(-1) + 0.02 * torch.arange(8, dtype=F64)
+    kwargs = dict(update_index=1, cross_clip=cross_clip, alpha=0.0 if cross_clip == "gspo" else 1.0)
+    masked = mask * ~excluded.unsqueeze(-1)
+    adv_masked = adv * ~excluded.unsqueeze(-1)
+    ours, metrics = compute_hacpo_policy_loss(
+        log_prob, old, adv_masked, masked, is_cross=is_cross, omega=torch.full((8,), 1.5),
+        source_log_prob_mean=source_lp, **kwargs,
+    )
+    (g_ours,) = torch.autograd.grad(ours, log_prob)
+    keep = ~excluded
+    lp_kept = log_prob.detach()[keep].clone().requires_grad_(True)
+    theirs, their_metrics = compute_hacpo_policy_loss(
+        lp_kept, old[keep], adv[keep], mask[keep], is_cross=is_cross[keep], omega=torch.full((5,), 1.5),
+        source_log_prob_mean=source_lp[keep], **kwargs,
+    )
+    (g_theirs,) = torch.autograd.grad(theirs, lp_kept)
+    assert float(ours) == pytest.approx(float(theirs), abs=1e-14)
+    assert torch.allclose(g_ours[keep], g_theirs, atol=1e-14)
+    assert not g_ours[excluded].any()
+    for key in ("hacpo/cross_frac", "hacpo/cross_ratio_mean", "hacpo/cross_ratio_min", "hacpo/cross_ratio_max",
+                "hacpo/cross_clipfrac_low", "hacpo/cross_clipfrac_high", "actor/pg_clipfrac"):
+        assert metrics[key] == pytest.approx(their_metrics[key]), key
+    assert metrics["hacpo/cross_frac"] == pytest.approx(2 / 5)
 
 
 def test_cross_row_value_and_gradient_by_hand():

@@ -1,6 +1,7 @@
 """End to end: `python -m recipe_hacpo.main` through Ray on CPU with tiny heterogeneous agents
 (different sizes, architectures and tokenizers) and the `hf` rollout backend: three agents with a
-reference model, naive and isolated modes, agents sharing one pool. Two agents in HACPO mode run
+reference model on GRAFT's selected prompts, isolated mode, naive sharing with agents sharing
+one pool. Two agents in HACPO mode run
 through vLLM in tests/test_vllm_tier.py."""
 
 from __future__ import annotations
@@ -128,13 +129,22 @@ def check_learner_batches(step_dir: str, model_dirs: dict[str, str], prompts: in
 
 
 # ----------------------------------------------------------------------------- 3 agents, other modes
-def test_three_agents_with_kl_to_reference(tmp_path, warm_agent_paths):
+def test_three_agents_with_kl_to_reference_on_grafts_selected_prompts(tmp_path, warm_agent_paths):
+    """Three agents, HACPO with a KL term to each agent's reference model, trained on GRAFT's
+    selected prompts (`share_selection=complementary`; HACPO on every prompt, the default, runs
+    with three agents in the vLLM tier): every peer row keeps its place in the learner batch,
+    the unselected ones without a token, an advantage or a place in the group statistics."""
+    from verl import DataProto
+
     kinds = ["qwen2-char-small", "qwen2-char-medium", "llama-pair-medium"]
     records = run_main(
         str(tmp_path),
         agent_overrides(warm_agent_paths, kinds)
         + ["trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
-           "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01"],
+           "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
+           # without GRAFT's balancing, so that these tiny agents' two steps select some prompts
+           "algorithm.hacpo.share_selection=complementary", "algorithm.hacpo.graft_balance=false",
+           f"trainer.learner_batch_dir={tmp_path}/batches"],
     )
     steps = train_steps(records)
     names = ["qwen_char", "qwen_mid", "llama_pair"]
@@ -143,9 +153,21 @@ def test_three_agents_with_kl_to_reference(tmp_path, warm_agent_paths):
         # every learner's batch (own and cross rows) was scored by its own reference model
         assert math.isfinite(steps[2][f"agent/{name}/actor/kl_loss"]) and steps[2][f"agent/{name}/actor/kl_loss"] >= 0
     assert steps[2]["timing_s/ref"] > 0
-    for name in names:
-        # each learner sees both peers: 2 × 8 prompts × 4 responses
-        assert steps[2][f"agent/{name}/cross/rows"] == 64
+    for step in (1, 2):
+        for name in names:
+            # each learner's batch holds both peers' rows, 2 × 8 prompts × 4 responses, selected or not
+            assert steps[step][f"agent/{name}/cross/rows"] == 64
+            selected = steps[step][f"agent/{name}/cross/rows_selected"]
+            # whole groups of one source per prompt: 4 rows a selected prompt
+            assert selected == 4 * steps[step][f"agent/{name}/cross/groups_selected"] <= 32, (step, name, selected)
+            batch = DataProto.load_from_disk(os.path.join(tmp_path, "batches", f"step_{step}", f"{name}.pkl"))
+            chosen, cross = batch.batch[K.SELECTED], batch.batch[K.IS_CROSS]
+            assert bool(chosen[~cross].all()) and int((chosen & cross).sum()) == selected
+            # an unselected peer row: no token in the loss, no advantage
+            assert not bool(batch.batch["response_mask"][~chosen].any())
+            assert not bool(batch.batch["advantages"][~chosen].any())
+    # not vacuous: some learner trained on a peer's selected rows
+    assert sum(steps[s][f"agent/{n}/cross/rows_selected"] for s in (1, 2) for n in names) > 0
     for kind, name in zip(kinds, names):
         assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
 

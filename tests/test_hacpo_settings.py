@@ -138,6 +138,7 @@ BAD = [
     ("algorithm.hacpo.omega_clip=[0.5]", "omega_clip", "two numbers"),
     ("algorithm.hacpo.norm_by_std=yes", "norm_by_std", "must be true or false"),
     ("algorithm.hacpo.baseline_cap=inf", "baseline_cap", "must be a finite number"),
+    ("algorithm.hacpo.share_selection=graft", "share_selection", "must be one of all, complementary"),
     ("algorithm.hacpo.graft_balance=1", "graft_balance", "must be true or false"),
     ("algorithm.hacpo.graft_weight=no_gate", "graft_weight", "must be true or false"),
     ("algorithm.hacpo.graft_floor=1.0", "graft_floor", r"must be in \[0, 1\) or null"),
@@ -161,6 +162,30 @@ def test_bad_value_or_unknown_key_is_one_line_naming_the_key(override, key, rule
     assert message.startswith(f"algorithm.hacpo.{key}"), message
     assert re.search(rule, message), message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("mode, why", [("isolated", "shares nothing"), ("sgt", "has its own selection")])
+def test_complementary_selection_is_refused_where_it_selects_nothing(mode, why):
+    cfg = _compose("pair_qwen3-1p7b-base_qwen3-4b-base", [
+        "++ray_kwargs.ray_init.num_gpus=8", f"algorithm.hacpo.mode={mode}", "algorithm.hacpo.share_selection=complementary",
+    ])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg, check_paths=False)
+    message = str(err.value)
+    assert message.startswith("algorithm.hacpo.share_selection='complementary': must be all"), message
+    assert f"mode={mode}" in message and why in message and "\n" not in message
+
+
+@pytest.mark.parametrize("mode, selects", [("hacpo", True), ("naive", True), ("graft", False)])
+def test_complementary_selection_switches_hacpo_and_naive_and_graft_implies_it(mode, selects):
+    both = {"mode": mode, "share_selection": "complementary"}
+    settings = HacpoSettings.from_dict(both)
+    # graft always selects by its own G1 (graft_exchange); the switch is for the sharing modes
+    assert settings.selects_complementary is selects
+    assert HacpoSettings.from_dict({"mode": mode}).share_selection == "all"
+    assert not HacpoSettings.from_dict({"mode": mode}).selects_complementary
+    # what the driver ships to the actor workers passes their validation
+    assert HacpoSettings.from_dict(settings.loss_kwargs()).share_selection == "complementary"
 
 
 def test_main_reports_a_bad_key_in_one_line_before_ray():

@@ -10,6 +10,7 @@ micro-batch TensorDict:
                  hacpo_source_response_length                                (batch_keys)
     non-tensors  hacpo_update_index (set per mini-batch by `HacpoTrainingWorker`),
                  hacpo_imitation_tokens (mode=sgt, the same),
+                 hacpo_loss_rows (share_selection=complementary, the same: the seq-mean's rows),
                  dp_size, batch_num_tokens, global_batch_size (set by verl)
 """
 
@@ -78,8 +79,9 @@ def hacpo_actor_loss(
     # HACPO is defined with seq-mean-token-mean (spec §6) whatever actor.loss_agg_mode says.
     pg_loss = agg_loss(loss_mat, response_mask, "seq-mean-token-mean", **batch_info)
     metrics = {key: Metric(value=value, aggregation=aggregation_of(key)) for key, value in pg_metrics.items()}
-    if not bool(padded[K.IS_CROSS].any()):
-        # no cross row in this micro-batch: neutral values, so min/max over the step stay honest
+    if not bool((padded[K.IS_CROSS].bool() & response_mask.any(-1)).any()):
+        # no cross row in this micro-batch's loss (none at all, or none selected under
+        # share_selection=complementary): neutral values, so min/max over the step stay honest
         metrics["hacpo/cross_ratio_min"] = Metric(value=float("inf"), aggregation=AggregationType.MIN)
         metrics["hacpo/cross_ratio_max"] = Metric(value=float("-inf"), aggregation=AggregationType.MAX)
     metrics["actor/pg_loss"] = Metric(value=pg_loss, aggregation=aggregation)
@@ -106,6 +108,7 @@ def _micro_batch(actor_config, model_output, data: TensorDict):
 
 def _batch_info(actor_config, data: TensorDict):
     """verl's global batch info of this micro-batch, and how its per-micro-batch losses combine."""
+    from verl.utils import tensordict_utils as tu
     from verl.utils.metric import AggregationType
 
     batch_info = {
@@ -114,6 +117,11 @@ def _batch_info(actor_config, data: TensorDict):
         "global_batch_size": data["global_batch_size"],
         "loss_scale_factor": actor_config.loss_scale_factor,
     }
+    loss_rows = tu.get_non_tensor_data(data=data, key=K.LOSS_ROWS, default=None)
+    if loss_rows is not None:
+        # share_selection=complementary: the seq-mean runs over the selected rows of the
+        # mini-batch, as verl's token count runs over the response tokens left in it
+        batch_info["global_batch_size"] = max(1, int(loss_rows))  # own rows are always selected
     # partial micro-batch losses add up to the mini-batch mean, so their metric is a SUM
     summed = batch_info["dp_size"] > 1 or batch_info["global_batch_size"] is not None
     return batch_info, AggregationType.SUM if summed else AggregationType.MEAN

@@ -10,7 +10,8 @@ Two differences from verl's worker, both by subclassing:
   knows m of spec §5 (stepwise clipping) for every mini-batch, across ppo epochs, and keeps a
   record per mini-batch of m, the lower bound the loss used and its own / cross row counts; in
   mode sgt it also counts each mini-batch's imitated tokens over all ranks (the NLL term's
-  token-mean denominator, `batch_keys.IMITATION_TOKENS`).
+  token-mean denominator, `batch_keys.IMITATION_TOKENS`), and with share_selection=complementary
+  the selected rows over all ranks (the HACPO loss's seq-mean denominator, `batch_keys.LOSS_ROWS`).
 Everything else (FSDP engine, old/ref log-probs, checkpoints, weight sync to the rollout
 engine) is verl's own.
 """
@@ -60,6 +61,8 @@ class HacpoTrainingWorker(TrainingWorker):
         tu.assign_non_tensor(data, **{K.UPDATE_INDEX: self._update_index})
         if K.IMITATION_MASK in data.keys():
             tu.assign_non_tensor(data, **{K.IMITATION_TOKENS: self._imitation_tokens(data)})
+        if K.SELECTED in data.keys():
+            tu.assign_non_tensor(data, **{K.LOSS_ROWS: self._loss_rows(data)})
         self._micro_records: list[dict] = []
         output = super().train_batch(data)
         self.update_record.append(self._mini_batch_record(data))
@@ -69,7 +72,17 @@ class HacpoTrainingWorker(TrainingWorker):
     def _imitation_tokens(self, data: TensorDict) -> int:
         """mode=sgt: imitated tokens of this mini-batch over every data-parallel rank, the NLL
         term's token-mean denominator (counted as verl's engine counts `batch_num_tokens`)."""
-        count = data[K.IMITATION_MASK].sum().to(torch.long)
+        return self._over_ranks(data[K.IMITATION_MASK].sum())
+
+    def _loss_rows(self, data: TensorDict) -> int:
+        """share_selection=complementary: selected rows of this mini-batch over every data-parallel
+        rank, the HACPO loss's seq-mean denominator (verl's `global_batch_size` counts every row,
+        the unselected peer rows too, which carry no token)."""
+        return self._over_ranks(data[K.SELECTED].sum())
+
+    def _over_ranks(self, count: torch.Tensor) -> int:
+        """This rank's count summed over the data-parallel ranks."""
+        count = count.to(torch.long)
         if dist.is_initialized() and self.engine.get_data_parallel_size() > 1:
             count = count.to(get_device_id())
             dist.all_reduce(count, op=dist.ReduceOp.SUM, group=self.engine.get_data_parallel_group())
