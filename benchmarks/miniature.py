@@ -27,7 +27,7 @@ import threading
 import time
 
 from mini.agents import AGENTS, PAIRS, warm_agents
-from mini.arms import ABLATIONS, ARMS
+from mini.arms import ABLATIONS, ALL_ARMS, ARMS, FAMILY_ARMS
 from mini.common import REPO, log
 from mini.plot import write_plot
 from mini.report import write_cost_profile, write_report
@@ -51,7 +51,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro", type=int, default=512, help="micro-batch rows for log-probs and updates")
     p.add_argument("--mini-batches", type=int, default=1, help="optimizer updates per step (prompts split evenly)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    p.add_argument("--arms", default=",".join(ARMS), help="comma list of main arms")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help="comma list of main arms, or 'families': both families side by side (GSPO, GSPO×2, GSPO×4, "
+                        "Naive, HACPO, HACPO on GRAFT's selection; GRPO, GRPO×2, GRPO×4, GRAFT, SGT)")
     p.add_argument("--ablations", default=",".join(ABLATIONS), help="comma list of ablation arms, or 'none'")
     p.add_argument("--ablation-seeds", type=int, nargs="+", default=[0])
     p.add_argument("--ablation-steps", type=int, default=0,
@@ -103,10 +105,14 @@ def main(argv: list[str] | None = None) -> int:
     agents = warm_agents(keys, os.path.join(a.work, "agents"), a.smoke)
 
     plan = []  # (pair, arm, seed): main table seed-major, then ablations, then extra pairs
-    main_arms = [] if a.arms == "none" else [k for k in a.arms.split(",") if k]
+    main_arms = [] if a.arms == "none" else list(FAMILY_ARMS) if a.arms == "families" else [k for k in a.arms.split(",") if k]
     for seed in a.seeds:
         plan += [(a.pair, k, seed) for k in main_arms]
     abl = [] if a.ablations == "none" else [k for k in a.ablations.split(",") if k]
+    for flag, keys in (("--arms", main_arms), ("--ablations", abl), ("--extra-arms", a.extra_arms.split(","))):
+        unknown = [k for k in keys if k and k not in ALL_ARMS]
+        if unknown:
+            p.error(f"{flag}: unknown arm(s) {', '.join(unknown)}; known: {', '.join(ALL_ARMS)}")
     for seed in a.ablation_seeds:
         plan += [(a.pair, k, seed) for k in abl]
     for seed in sorted({s for seeds in extra_seeds.values() for s in seeds}):
@@ -126,8 +132,9 @@ def main(argv: list[str] | None = None) -> int:
             json.dump(summaries, f)
         extra_notes = [f"not run in this invocation (--report-only or time budget): {', '.join(skipped)}"] if skipped else []
         write_report(os.path.join(a.results, "miniature.md"), summaries, agents, setup, command, a.seeds,
-                     notes + extra_notes, started, a.pair, reading)
-        write_cost_profile(os.path.join(a.results, "cost_profile.md"), summaries, setup, command, a.pair, a.parallel)
+                     notes + extra_notes, started, a.pair, reading, main_arms)
+        write_cost_profile(os.path.join(a.results, "cost_profile.md"), summaries, setup, command, a.pair, a.parallel,
+                           main_arms)
         for pr in sorted({s["pair"] for s in summaries}):
             name = "learning_curve.png" if pr == a.pair else f"learning_curve_{pr}.png"
             write_plot(os.path.join(a.results, name), summaries, agents, pr)

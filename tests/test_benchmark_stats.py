@@ -305,3 +305,79 @@ def test_a_cosine_learning_rate_is_passed_to_verl_recorded_and_kept_apart():
         "| a_dir + b_dir: G = 2 against 2G = 4, lr 0.0001, 4 steps, 32 prompts a step, temperature 1, `--mini-batches 4` | 2 | no |",
         "| a_dir + b_dir: G = 2 against 2G = 4, lr 0.0001 (cosine decay to 0), 4 steps, 32 prompts a step, temperature 1, `--mini-batches 4` | 2 | no |",
     ]
+
+
+def test_both_families_are_measured_against_their_own_doubling(tmp_path):
+    """GRAFT and SGT against GRPO / GRPO×2, HACPO against GSPO / GSPO×2, in one report: Δ, recovered
+    fraction and regime test per family, head to head, the exchange tables and each arm's update plan."""
+    from mini.arms import FAMILY_ARMS
+
+    names = [AGENTS[k].name for k in PAIRS["model"]]
+    q, l = names
+    graft_diag = {n: {"graft/groups_received": [4.0, 6.0], "graft/groups_given": [1.0, 1.0],
+                      "graft/admitted": [3.0, 5.0], "graft/dropped": [1.0, float("nan")],
+                      "graft/weight_mean": [0.9, 0.95]} for n in names}
+    sgt_diag = {n: {"sgt/prompts_imitated": [2.0, 4.0], "sgt/nll": [1.5, 0.5]} for n in names}
+    sel_diag = {n: {"cross/groups_selected": [3.0, 5.0], "cross/rows_selected": [6.0, 10.0]} for n in names}
+    accs = {  # per seed: the GSPO family gains 10 points by doubling, the GRPO family 4, 6, 8
+        "gspo": [0.50] * 3, "gspo2x": [0.60] * 3, "gspo4x": [0.65] * 3, "naive": [0.56] * 3, "hacpo": [0.52] * 3,
+        "hacpo_graft_sel": [0.51] * 3, "grpo": [0.30] * 3, "grpo2x": [0.34, 0.36, 0.38], "grpo4x": [0.40] * 3,
+        "graft": [0.33] * 3, "sgt": [0.30, 0.31, 0.32],
+    }
+    diag = {"graft": graft_diag, "sgt": sgt_diag, "hacpo_graft_sel": sel_diag}
+    runs = [_run(arm, seed, {q: acc[i], l: 0.2}, diag.get(arm)) for arm, acc in accs.items()
+            for i, seed in enumerate((5, 6, 7))]
+    agents = {k: {"agent": AGENTS[k], "record": {"params": 1, "steps": 1, "seed": 0, "held_out_accuracy": 0.5}}
+              for k in PAIRS["model"]}
+    path = tmp_path / "report.md"
+    report.write_report(str(path), runs, agents, Setup(4, 16, 2, 1e-4, 1.0, 4, 64, 64, 2), "cmd", [5, 6, 7],
+                        [], 0.0, "model", main_arms=list(FAMILY_ARMS))
+    text = path.read_text()
+    row = {line.split(" | ")[0][2:]: line for line in text.splitlines() if line.startswith("| ") and " | 5,6,7 | " in line}
+    # GRAFT: +3 over GRPO, half of GRPO×2's mean gain of 6; HACPO: +2 over GSPO, a fifth of GSPO×2's 10
+    assert "| 33.0 ± 0.0 | +3.0 ± 0.0 (n=3) | 0.50 [" in row["GRAFT (G each)"]
+    assert "| 52.0 ± 0.0 | +2.0 ± 0.0 (n=3) | 0.20 [" in row["HACPO (G each)"]
+    assert "| 31.0 ± 1.0 | +1.0 ± 1.0 (n=3) | 0.17 [" in row["SGT (G each)"]
+    assert "| 40.0 ± 0.0 | +10.0 ± 0.0 (n=3) | 1.67 [" in row["GRPO×4 (4G)"]  # 4G against doubling's gain
+    assert "| 60.0 ± 0.0 | +10.0 ± 0.0 (n=3) | — |" in row["GSPO×2 (2G)"]
+    assert "| 30.0 ± 0.0 | — | — |" in row["GRPO (G)"]
+    # a regime test per family
+    assert "| agent | GRPO acc % | GRPO×2 acc % | GRPO×2 − GRPO (points, paired) |" in text
+    assert f"| {q} | 30.0 ± 0.0 | 36.0 ± 2.0 | +6.0 ± 2.0 (n=3) | s5 +4.0, s6 +6.0, s7 +8.0 | 3.0 | yes | 5.2 |" in text
+    assert f"| {q} | 50.0 ± 0.0 | 60.0 ± 0.0 | +10.0 ± 0.0 (n=3) |" in text
+    # head to head, paired by seed
+    assert f"| GRAFT (G each) | HACPO (G each) | {q} | -19.0 ± 0.0 (n=3) | s5 -19.0, s6 -19.0, s7 -19.0 |" in text
+    assert f"| GRAFT (G each) | GRPO×2 (2G) | {q} | -3.0 ± 2.0 (n=3) | s5 -1.0, s6 -3.0, s7 -5.0 | -1.5 |" in text
+    # exchange tables: per-step means over the steps that logged the metric
+    assert f"| GRAFT (G each) | {q} | 5.000 | 1.000 | 4.000 | 1.000 | 0.925 | — |" in text
+    assert f"| SGT (G each) | {l} | 3.000 | — | 1.000 |" in text
+    assert f"| HACPO on GRAFT's selection (G each) | {q} | 4.000 | 8.000 | — |" in text
+    # the update plan: every update holds 16 // 2 × 2 × 2 = 32 trained rows
+    assert "| GSPO×4 (4G) | GSPO | 8 | 8 | 4 | 4 | 32 |" in text
+    assert "| GRAFT (G each) | GRAFT (token-level, w, receiver's ratio) | 2 | 2 | 16 | 1 | 32 |" in text
+    assert "| SGT (G each) | GRPO + 0.1·NLL | 2 | 2 + 1 imitated | 16 | 1 | 32 |" in text
+    assert "| HACPO (G each) | HACPO (GSPO-based) | 2 | 4 | 8 | 2 | 32 |" in text
+
+
+def test_the_grpo_family_arms_carry_their_loss_and_sgt_micro_batches_split_its_imitation_slot():
+    from mini.arms import ALL_ARMS
+    from mini.runs import run_overrides
+
+    setup = Setup(20, 128, 2, 1e-4, 1.0, 10, 4096, 512, 4)
+    agents = [{"agent": AGENTS["M18"], "path": "/a"}, {"agent": AGENTS["B"], "path": "/b"}]
+
+    def ov(arm):
+        return dict(o.split("=", 1) for o in run_overrides(ALL_ARMS[arm], 5, agents, setup, "/tmp/r", False)
+                    if not o.startswith("agents="))
+
+    grpo, gspo, graft, sgt = ov("grpo"), ov("gspo"), ov("graft"), ov("sgt")
+    assert grpo["actor_rollout_ref.actor.policy_loss.loss_mode"] == "vanilla"
+    assert (grpo["actor_rollout_ref.actor.clip_ratio_low"], grpo["actor_rollout_ref.actor.clip_ratio_high"]) == ("0.2", "0.28")
+    assert "actor_rollout_ref.actor.policy_loss.loss_mode" not in gspo  # hacpo_cpu_demo's GSPO
+    assert graft["algorithm.hacpo.mode"] == "graft" and graft["actor_rollout_ref.actor.clip_ratio_low"] == "0.2"
+    assert ov("hacpo_graft_sel")["algorithm.hacpo.share_selection"] == "complementary"
+    # 128 rows an update: GRAFT 64 prompts × 2; SGT 64 × (2 own + 1 imitation slot) = 192 rows in its batch
+    assert graft["actor_rollout_ref.actor.ppo_mini_batch_size"] == sgt["actor_rollout_ref.actor.ppo_mini_batch_size"] == "64"
+    micro = int(sgt["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"])
+    assert 192 % micro == 0 and 128 % micro == 0
+    assert ov("grpo4x")["actor_rollout_ref.actor.ppo_mini_batch_size"] == "16"

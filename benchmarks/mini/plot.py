@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from mini.agents import PAIRS
-from mini.arms import ALL_ARMS, ARMS
+from mini.arms import ALL_ARMS, FAMILY_ARMS
 from mini.runs import step_zero_accuracy
 
 
@@ -21,7 +21,7 @@ def write_plot(path: str, summaries: list[dict], agents: dict, pair: str, smooth
         ax, axv = axes[0][col], axes[1][col]
         for k in keys:
             runs = [s for s in summaries if s["arm"] == k and s["pair"] == pair]
-            style = "-" if k in ARMS else ":"
+            style = ":" if k not in FAMILY_ARMS else "-" if ALL_ARMS[k].family == "gspo" else "--"
             curves = [np.asarray(r["train_reward"][n], dtype=float) for r in runs]
             length = min(len(c) for c in curves)
             if length == 0:

@@ -7,16 +7,16 @@ import statistics
 import time
 
 from mini.agents import PAIR_KINDS, PAIRS
-from mini.arms import ABLATIONS, ALL_ARMS, ARMS
+from mini.arms import ABLATIONS, ALL_ARMS, ARMS, FAMILIES, Family
 from mini.common import fmt_pm, machines_line
-from mini.runs import Setup, step_zero_accuracy
+from mini.runs import Setup, mini_batch_prompts, step_zero_accuracy, trained_rows_per_prompt
 from mini.stats import Paired, Recovered, paired, recovered_fraction, regime_holds
 
 
-def agent_table_header(names: list[str]) -> tuple[str, str]:
+def agent_table_header(names: list[str], base: str = "GSPO") -> tuple[str, str]:
     cols = ["arm", "seeds"]
     for n in names:
-        cols += [f"{n} acc %", f"{n} Δ vs GSPO", f"{n} recovered [90 % CI]"]
+        cols += [f"{n} acc %", f"{n} Δ vs {base}", f"{n} recovered [90 % CI]"]
     cols += ["mean train reward %", "rollout tokens / run", "wall s / run"]
     return "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)
 
@@ -60,14 +60,16 @@ def by_arm_and_seed(summaries: list[dict]) -> dict[str, dict[int, dict]]:
 
 
 def arm_rows(summaries: list[dict], arm_keys: list[str], names: list[str], at_step: int | None = None) -> list[str]:
-    """One table row per arm: accuracy, Δ vs GSPO paired by seed, recovered fraction (sharing arms)."""
+    """One table row per arm: accuracy, Δ vs its family's isolated arm at G paired by seed, and the
+    recovered fraction against that family's doubling (every arm but the family's G and 2G)."""
     by = by_arm_and_seed(summaries)
-    gspo, gspo2x = by.get("gspo", {}), by.get("gspo2x", {})
     rows = []
     for key in arm_keys:
         runs = by.get(key, {})
         if not runs:
             continue
+        family = FAMILIES[ALL_ARMS[key].family]
+        gspo, gspo2x = by.get(family.base, {}), by.get(family.double, {})
         seeds = sorted(runs)
         cells = [ALL_ARMS[key].label + (f" (step {at_step} of {runs[seeds[0]]['steps']})"
                                         if at_step and runs[seeds[0]]["steps"] != at_step else ""),
@@ -75,8 +77,8 @@ def arm_rows(summaries: list[dict], arm_keys: list[str], names: list[str], at_st
         for n in names:
             mine = accs_by_seed(runs, n, at_step)
             cells.append(fmt_pm([v for v in mine.values() if v is not None]))
-            cells.append(fmt_paired(paired(mine, accs_by_seed(gspo, n, at_step))) if key != "gspo" else "—")
-            shares = key not in ("gspo", "gspo2x")
+            cells.append(fmt_paired(paired(mine, accs_by_seed(gspo, n, at_step))) if key != family.base else "—")
+            shares = key not in (family.base, family.double)
             cells.append(fmt_recovered(recovered_fraction(mine, accs_by_seed(gspo, n, at_step),
                                                           accs_by_seed(gspo2x, n, at_step))) if shares else "—")
         upto = at_step or None
@@ -92,17 +94,19 @@ def arm_rows(summaries: list[dict], arm_keys: list[str], names: list[str], at_st
     return rows
 
 
-def regime_table(summaries: list[dict], names: list[str], sigmas: float = 3.0) -> tuple[list[str], bool]:
-    """GSPO×2 − GSPO per agent, paired by seed, and whether it clears `sigmas` std on every agent
-    (no lines and False without both arms)."""
+def regime_table(summaries: list[dict], names: list[str], sigmas: float = 3.0,
+                 family: Family = FAMILIES["gspo"]) -> tuple[list[str], bool]:
+    """The family's 2G − G per agent (GSPO×2 − GSPO by default), paired by seed, and whether it clears
+    `sigmas` std on every agent (no lines and False without both arms)."""
     by = by_arm_and_seed(summaries)
-    if not by.get("gspo") or not by.get("gspo2x"):
+    if not by.get(family.base) or not by.get(family.double):
         return [], False
-    lines = ["| agent | GSPO acc % | GSPO×2 acc % | GSPO×2 − GSPO (points, paired) | per seed | mean / std | "
+    f = family.label
+    lines = [f"| agent | {f} acc % | {f}×2 acc % | {f}×2 − {f} (points, paired) | per seed | mean / std | "
              f"≥ {sigmas:g} std? | mean / s.e. |", "|---|---|---|---|---|---|---|---|"]
     verdicts = []
     for n in names:
-        g, g2 = accs_by_seed(by["gspo"], n, None), accs_by_seed(by["gspo2x"], n, None)
+        g, g2 = accs_by_seed(by[family.base], n, None), accs_by_seed(by[family.double], n, None)
         d = paired(g2, g)
         holds = regime_holds(d, sigmas)
         verdicts.append(holds)
@@ -112,9 +116,10 @@ def regime_table(summaries: list[dict], names: list[str], sigmas: float = 3.0) -
     return lines, all(verdicts)
 
 
-def regime_lines(summaries: list[dict], names: list[str], sigmas: float = 3.0) -> list[str]:
+def regime_lines(summaries: list[dict], names: list[str], sigmas: float = 3.0,
+                 family: Family = FAMILIES["gspo"]) -> list[str]:
     """Does doubling the rollouts matter here? The regime table and its verdict."""
-    table, holds = regime_table(summaries, names, sigmas)
+    table, holds = regime_table(summaries, names, sigmas, family)
     if not table:
         return []
     return [*table, "", "Doubling the rollouts matters for every agent in this regime." if holds else
@@ -166,7 +171,7 @@ def diagnostic_lines(summaries: list[dict], names: list[str], arm_keys: list[str
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for key in arm_keys:
         runs = [r for r in by.get(key, {}).values() if r.get("diagnostics")]
-        if not runs or ALL_ARMS[key].mode == "isolated":
+        if not runs or ALL_ARMS[key].mode not in ("hacpo", "naive"):
             continue
         for n in names:
             cells = [ALL_ARMS[key].label, n]
@@ -183,6 +188,96 @@ def diagnostic_lines(summaries: list[dict], names: list[str], arm_keys: list[str
                 cells.append(f"{statistics.fmean(kept):.0%}" if kept else "—")
             lines.append("| " + " | ".join(cells) + " |")
     return lines
+
+
+# per-step exchange metrics of GRAFT, SGT and HACPO on GRAFT's selection (docs/METRICS.md):
+# mode or share selection -> (metric, column title), each a per-step value averaged over steps
+EXCHANGE_COLUMNS = {
+    "graft": (("graft/groups_received", "groups received / step"), ("graft/groups_given", "groups given / step"),
+              ("graft/admitted", "grafted responses admitted / step"), ("graft/dropped", "dropped by the gate / step"),
+              ("graft/weight_mean", "mean w (admitted)"), ("graft/peer_clipfrac", "peer-token clip fraction")),
+    "sgt": (("sgt/prompts_imitated", "prompts imitated / step"), ("sgt/imitation_tokens", "imitated tokens / step"),
+            ("sgt/nll", "NLL per imitated token")),
+    "complementary": (("cross/groups_selected", "prompts trained on a peer's rows / step"),
+                      ("cross/rows_selected", "peer rows in the loss / step"), ("cross/rows", "peer rows in the batch / step")),
+}
+EXCHANGE_TITLES = {
+    "graft": "GRAFT: whole groups grafted where the receiver's own group failed (balanced per pair), and the "
+             "compatibility gate w (δ = 0.8)",
+    "sgt": "SGT: one correct peer response imitated (λ·NLL) where the receiver failed and a peer solved",
+    "complementary": "HACPO on GRAFT's selection: the peer rows HACPO's update keeps",
+}
+
+
+def _exchange_kind(arm_key: str) -> str | None:
+    arm = ALL_ARMS[arm_key]
+    if arm.mode in ("graft", "sgt"):
+        return arm.mode
+    if arm.hacpo.get("share_selection") == "complementary":
+        return "complementary"
+    return None
+
+
+def exchange_lines(summaries: list[dict], names: list[str], arm_keys: list[str]) -> list[str]:
+    """Per exchange kind (GRAFT, SGT, HACPO on GRAFT's selection) a table: per arm and agent, each
+    metric averaged over the steps that logged it, then over seeds."""
+    by = by_arm_and_seed(summaries)
+    lines = []
+    for kind, columns in EXCHANGE_COLUMNS.items():
+        keys = [k for k in arm_keys if _exchange_kind(k) == kind and by.get(k)]
+        if not keys:
+            continue
+        head = ["arm", "agent", *[t for _, t in columns]]
+        lines += [f"{EXCHANGE_TITLES[kind]}:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for key in keys:
+            runs = [r for r in by[key].values() if r.get("diagnostics")]
+            for n in names:
+                cells = [ALL_ARMS[key].label, n]
+                for metric, _ in columns:
+                    vals = [v for r in runs if (v := _run_mean(r["diagnostics"][n], metric)) is not None]
+                    cells.append(f"{statistics.fmean(vals):.3f}" if vals else "—")
+                lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
+    return lines
+
+
+# the comparisons that settle the question, each A − B paired by seed (shown where both arms ran)
+HEAD_TO_HEAD = (
+    ("graft", "grpo"), ("graft", "grpo2x"), ("graft", "grpo4x"), ("sgt", "grpo"), ("graft", "sgt"),
+    ("hacpo", "gspo"), ("hacpo", "gspo2x"), ("naive", "gspo2x"), ("naive", "hacpo"),
+    ("hacpo_graft_sel", "hacpo"), ("graft", "hacpo"), ("graft", "naive"), ("grpo", "gspo"), ("grpo2x", "gspo2x"),
+)
+
+
+def head_to_head_lines(summaries: list[dict], names: list[str], at_step: int | None = None) -> list[str]:
+    by = by_arm_and_seed(summaries)
+    present = [(a, b) for a, b in HEAD_TO_HEAD if by.get(a) and by.get(b)]
+    if not present:
+        return []
+    lines = ["| A | B | agent | A − B (points, paired) | per seed | mean / std | mean / s.e. |",
+             "|---|---|---|---|---|---|---|"]
+    for a, b in present:
+        for n in names:
+            d = paired(accs_by_seed(by[a], n, at_step), accs_by_seed(by[b], n, at_step))
+            lines.append(f"| {ALL_ARMS[a].label} | {ALL_ARMS[b].label} | {n} | {fmt_paired(d)} | {fmt_per_seed(d)} | "
+                         f"{d.sigmas():.1f} | {d.standard_errors():.1f} |")
+    return [*lines, ""]
+
+
+def update_plan_lines(arm_keys: list[str], setup: Setup, n_agents: int) -> list[str]:
+    """What each arm samples and how it updates, computed by the same rule the runs use."""
+    lines = ["| arm | loss | rollouts per prompt and agent | learner rows per prompt | prompts per update | "
+             "updates per step | rows per update |", "|---|---|---|---|---|---|---|"]
+    for key in arm_keys:
+        arm = ALL_ARMS[key]
+        g = setup.group * (arm.group_mult if arm.mode == "isolated" else 1)
+        rows = trained_rows_per_prompt(arm, setup, n_agents)
+        mini = mini_batch_prompts(arm, setup, n_agents)
+        loss = {"graft": "GRAFT (token-level, w, receiver's ratio)", "sgt": "GRPO + 0.1·NLL",
+                "hacpo": "HACPO (GSPO-based)", "naive": "GSPO over own + peer rows"}.get(arm.mode, FAMILIES[arm.family].label)
+        lines.append(f"| {arm.label} | {loss} | {g} | {rows}{' + 1 imitated' if arm.mode == 'sgt' else ''} | {mini} | "
+                     f"{setup.prompts // mini} | {mini * rows} |")
+    return [*lines, ""]
 
 
 def agent_lines(agents: dict, keys: tuple[str, ...]) -> list[str]:
@@ -220,18 +315,37 @@ def pair_section(title: str, summaries: list[dict], agents: dict, pair: str, arm
 
 
 def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, command: str, main_seeds: list[int],
-                 notes: list[str], started: float, pair: str, reading: str = "") -> None:
+                 notes: list[str], started: float, pair: str, reading: str = "", main_arms: list[str] | None = None) -> None:
+    main_arms = list(ARMS) if main_arms is None else main_arms
     names = [agents[k]["agent"].name for k in PAIRS[pair]]
-    header, sep = agent_table_header(names)
-    main = [s for s in summaries if s["pair"] == pair and s["arm"] in ARMS]
+    families = [f for k, f in FAMILIES.items() if any(ALL_ARMS[a].family == k for a in main_arms)]
+    both = len(families) > 1
+    header, sep = agent_table_header(names, "its family's G" if both else "GSPO")
+    main = [s for s in summaries if s["pair"] == pair and s["arm"] in main_arms]
     abl = [s for s in summaries if s["pair"] == pair and s["arm"] in ABLATIONS]
     rows = setup.prompts // setup.mini_batches * setup.group * 2
     updates = (f"{setup.mini_batches} optimizer update(s) per step for the sharing arms and GSPO×2, "
                f"{max(1, setup.mini_batches // 2)} for GSPO: every update holds {rows} rows in every arm (the paper's "
                "rule), a sharing arm's mini-batch whole prompt groups with their own and cross rows, so HACPO's update "
                f"index m runs 0..{setup.mini_batches - 1} within a step")
+    title = ("# HACPO, Naive, GRAFT and SGT in miniature, each against its own family's doubling (CPU, real trainer)"
+             if both else "# HACPO in miniature: does sharing rollouts buy what doubling them buys? (CPU, real trainer)")
+    family_setup = [
+        "GRPO family: verl's token-level PPO-clip loss (`vanilla`), clip 0.2 / 0.28, token-mean; GRAFT (`mode=graft`: "
+        "complementary selection with balancing and ties, whole-group replacement with the source's advantages, gate "
+        "δ = 0.8, receiver's ratio, peer-last mini-batches) and SGT (`mode=sgt`, λ = 0.1) with the same clip. "
+        "Every arm follows the same rule for its updates (every update holds the same number of trained rows), "
+        "so an arm with 2G or 4G rollouts also makes 2× or 4× GSPO's updates:",
+        "",
+        *update_plan_lines(main_arms, setup, len(names)),
+        "Columns: Δ vs its family's G = paired-by-seed difference from the isolated arm at G of the arm's own family "
+        "(GSPO for GSPO×2/×4, Naive, HACPO; GRPO for GRPO×2/×4, GRAFT, SGT); recovered = (X − G) / (2G − G) within "
+        "the family: 1 = X buys what doubling the rollouts buys. Seeds "
+        f"{main_seeds} are disjoint from the seeds of the regime search that chose this pair (0–4).",
+        "",
+    ] if both else []
     lines = [
-        "# HACPO in miniature: does sharing rollouts buy what doubling them buys? (CPU, real trainer)",
+        title,
         "",
         f"Command: `{command}`",
         "",
@@ -261,19 +375,22 @@ def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, c
         "rollouts buys, 0 = nothing over GSPO at G. Mean train reward % = on-policy reward over all steps, averaged "
         "over agents. Rollout tokens = response tokens sampled by both agents in training.",
         "",
-        f"## Does doubling the rollouts matter here? (pair `{pair}`, GSPO G = {setup.group} vs GSPO×2 G = "
-        f"{2 * setup.group})",
-        "",
-        *regime_lines(main, names),
+        *family_setup,
+    ]
+    for family in families:
+        lines += [f"## Does doubling the rollouts matter here? (pair `{pair}`, {family.label} G = {setup.group} vs "
+                  f"{family.label}×2 G = {2 * setup.group})", "", *regime_lines(main, names, family=family)]
+    lines += [
         f"## Main table (pair `{pair}`: {' + '.join(names)}, {PAIR_KINDS[pair]}; seeds {main_seeds})",
         "",
         *agent_lines(agents, PAIRS[pair]),
         "",
         header,
         sep,
-        *arm_rows(main, list(ARMS), names),
+        *arm_rows(main, main_arms, names),
         "",
         *start_line(summaries, main, names),
+        *(["### Head to head (paired by seed)", "", *head_to_head_lines(main, names)] if both else []),
         "### What the sharing arms did, step by step (mean over steps, then over seeds)",
         "",
         "P̂ = capability; ω = the discrepancy coefficient applied to the peer's rows; s = the cross rows' "
@@ -281,8 +398,9 @@ def write_report(path: str, summaries: list[dict], agents: dict, setup: Setup, c
         "(no gradient; 0 in Naive mode); guard groups = prompt groups per step where the §2 baseline cap "
         "replaced the shared baseline by the learner's own mean.",
         "",
-        *diagnostic_lines(main, names, list(ARMS)),
+        *diagnostic_lines(main, names, main_arms),
         "",
+        *exchange_lines(main, names, main_arms),
     ]
     if abl:
         abl_steps = abl[0]["steps"]
@@ -332,8 +450,21 @@ def phase_medians(runs: list[dict]) -> dict[str, float]:
     return out
 
 
-def write_cost_profile(path: str, summaries: list[dict], setup: Setup, command: str, pair: str, parallel: int = 1) -> None:
-    arms = {k: [s for s in summaries if s["pair"] == pair and s["arm"] == k] for k in ("gspo", "gspo2x", "naive", "hacpo")}
+def sitting_lines(runs: list[dict]) -> list[str]:
+    """When the runs were made and how loaded the machine was as each started (runs that recorded it)."""
+    made = sorted(r["made_at"] for r in runs if r.get("made_at"))
+    loads = [r["load_at_start"] for r in runs if r.get("load_at_start") is not None]
+    if not made:
+        return []
+    return [f"{len(made)} of these {len(runs)} runs recorded their start: from {made[0]} to {made[-1]}"
+            + (f"; 1-minute load average as each started: median {statistics.median(loads):.1f}, max {max(loads):.1f}"
+               if loads else "") + ".", ""]
+
+
+def write_cost_profile(path: str, summaries: list[dict], setup: Setup, command: str, pair: str, parallel: int = 1,
+                       arm_keys: list[str] | None = None) -> None:
+    keys = arm_keys or ["gspo", "gspo2x", "naive", "hacpo"]
+    arms = {k: [s for s in summaries if s["pair"] == pair and s["arm"] == k] for k in keys}
     med = {k: phase_medians(v) for k, v in arms.items() if v}
     lines = [
         "# Cost profile: time per phase per step, HACPO against isolated GSPO (CPU, real trainer)",
@@ -345,6 +476,7 @@ def write_cost_profile(path: str, summaries: list[dict], setup: Setup, command: 
         "",
         machines_line([s for runs in arms.values() for s in runs]),
         "",
+        *sitting_lines([s for runs in arms.values() for s in runs]),
         f"From the `timing_s/*` metrics of the main-table runs (pair `{pair}`, {setup.prompts} prompts/step, "
         f"G = {setup.group}); median over steps 2..{setup.steps} of every seed. Both agents run each phase "
         "concurrently on their own worker groups, so a phase's time is the slower agent's."
@@ -357,7 +489,7 @@ def write_cost_profile(path: str, summaries: list[dict], setup: Setup, command: 
         "gen": "generation",
         "reward": "reward (verifier)",
         "old_log_prob": "old log-probs (own rows)",
-        "exchange": "exchange + re-tokenization",
+        "exchange": "exchange + re-tokenization (GRAFT: + the receiver's old log-probs of grafted rows)",
         "adv": "advantages",
         "update_actor": "update (incl. learner log-probs of cross rows)",
         "update_weights": "weight sync",
@@ -382,6 +514,14 @@ def write_cost_profile(path: str, summaries: list[dict], setup: Setup, command: 
             if k in med:
                 lines.append(f"- Generation time HACPO / {label}: {med['hacpo']['gen'] / med[k]['gen']:.2f}×; update time "
                              f"HACPO / {label}: {med['hacpo']['update_actor'] / med[k]['update_actor']:.2f}×.")
+    family_ratios = [(a, b) for a, b in (("graft", "grpo2x"), ("graft", "grpo"), ("sgt", "grpo"), ("graft", "hacpo"),
+                                         ("gspo4x", "gspo2x"), ("grpo4x", "grpo2x"), ("grpo", "gspo"))
+                     if a in med and b in med]
+    if family_ratios:
+        lines += ["", "Other steps against each other (whole step, median):", ""]
+        lines += [f"- {ALL_ARMS[a].label} / {ALL_ARMS[b].label}: {med[a]['step']:.3f} / {med[b]['step']:.3f} = "
+                  f"**{med[a]['step'] / med[b]['step']:.2f}×**." for a, b in family_ratios]
+    if "hacpo" in med:
         lines += [
             "",
             "The trainer computes the learner's log-probs of cross rows inside the update's forward pass (they are the "

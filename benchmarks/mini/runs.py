@@ -78,8 +78,22 @@ def mini_batch_prompts(arm: Arm, setup: Setup, n_agents: int) -> int:
     sharing arms' update count, whose learner sees n_agents × G rows per prompt, so GSPO at G makes
     half as many updates (capped at one per step) and GSPO×2 as many."""
     rows_per_update = setup.prompts // setup.mini_batches * setup.group * n_agents
-    rows_per_prompt = setup.group * (arm.group_mult if arm.mode == "isolated" else n_agents)
-    return min(setup.prompts, rows_per_update // rows_per_prompt)
+    return min(setup.prompts, rows_per_update // trained_rows_per_prompt(arm, setup, n_agents))
+
+
+def trained_rows_per_prompt(arm: Arm, setup: Setup, n_agents: int) -> int:
+    """Rows a learner trains on per prompt: its own group (isolated at its multiple of G; GRAFT, whose
+    grafted group replaces the own one; SGT, whose imitated response is an extra NLL term, not a
+    policy-gradient row), or every agent's group (HACPO, Naive)."""
+    if arm.mode in ("graft", "sgt"):
+        return setup.group
+    return setup.group * (arm.group_mult if arm.mode == "isolated" else n_agents)
+
+
+def batch_rows_per_prompt(arm: Arm, setup: Setup, n_agents: int) -> int:
+    """Rows per prompt in the learner batch the trainer splits into micro-batches: SGT adds one
+    imitation slot to the own group."""
+    return trained_rows_per_prompt(arm, setup, n_agents) + (1 if arm.mode == "sgt" else 0)
 
 
 def _agent_overrides(agent) -> str:
@@ -90,7 +104,7 @@ def run_overrides(arm: Arm, seed: int, agents: list[dict], setup: Setup, run_dir
     g = setup.group * arm.group_mult
     mini_prompts = mini_batch_prompts(arm, setup, len(agents))
     # verl needs every batch it scores or trains on to split into whole micro-batches
-    micro = math.gcd(setup.micro, mini_prompts * g)
+    micro = math.gcd(setup.micro, mini_prompts * g, mini_prompts * batch_rows_per_prompt(arm, setup, len(agents)))
     spec = ",".join(
         f"{{name:{a['agent'].name},model_path:'{a['path']}',rollout_n:{g},n_gpus_per_node:1,nnodes:1,"
         f"actor_rollout_ref:{{{_agent_overrides(a['agent'])}}}}}"
@@ -101,6 +115,7 @@ def run_overrides(arm: Arm, seed: int, agents: list[dict], setup: Setup, run_dir
         f"ray_kwargs.ray_init.num_gpus={len(agents)}",
         f"algorithm.hacpo.mode={arm.mode}",
         *[f"algorithm.hacpo.{k}={v}" for k, v in arm.hacpo.items()],
+        *[f"{k}={v}" for k, v in arm.actor],
         f"data.train_files={TRAIN_FILE}",
         f"data.val_files={setup.val_file}",
         f"data.train_batch_size={setup.prompts}",
@@ -171,7 +186,7 @@ def summarize(records: list[dict], agents: list[dict], arm: Arm, setup: Setup) -
 
 
 # per-step metrics that explain what sharing did for an agent (docs/METRICS.md)
-DIAGNOSTIC_PREFIXES = ("omega/", "hacpo/", "advantage/", "cross/", "capability", "actor/pg_clipfrac")
+DIAGNOSTIC_PREFIXES = ("omega/", "hacpo/", "advantage/", "cross/", "capability", "actor/pg_clipfrac", "graft/", "sgt/")
 
 
 def diagnostics(steps: dict[int, dict], names: list[str]) -> dict[str, dict[str, list[float]]]:
@@ -255,6 +270,7 @@ def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str
     cmd = [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", *overrides]
     env = dict(os.environ, VERL_FILE_LOGGER_PATH=metrics_file, HACPO_DATA_DIR=DATA_DIR)
     log(f"{pair}/{arm_key}/seed {seed}: start")
+    made_at, load_at_start = time.strftime("%Y-%m-%d %H:%M:%S"), os.getloadavg()[0]
     t0 = time.perf_counter()
     with open(os.path.join(run_dir, "log.txt"), "w") as logf:
         logf.write(shlex.join(cmd) + "\n\n")
@@ -270,7 +286,8 @@ def run_one(arm_key: str, seed: int, agents: list[dict], setup: Setup, work: str
                     "prompts": setup.prompts, "lr": setup.lr, "temperature": setup.temperature,
                     "mini_batches": setup.mini_batches, "mini_batch_rule": MINI_BATCH_RULE,
                     "val_rows": setup.val_rows, "lr_schedule": setup.lr_schedule, "mini_batch_prompts": mini_batch_prompts(arm, setup, len(agents)),
-                    "train_s": sum(summary["timing"].get("step", [])), "machine": machine(load=False)})
+                    "train_s": sum(summary["timing"].get("step", [])), "machine": machine(load=False),
+                    "made_at": made_at, "load_at_start": load_at_start})
     with open(summary_file, "w") as f:
         json.dump(summary, f)
     accs = ", ".join(f"{n} {v if v is None else round(v, 3)}" for n, v in summary["final_acc"].items())
