@@ -111,13 +111,15 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     reward_timeout = float(cfg.trainer.reward_timeout_s)  # default in hacpo_base.yaml
     if not reward_timeout > 0:
         raise ConfigError(f"trainer.reward_timeout_s={reward_timeout}: must be > 0 (seconds one reward call may take)")
-    if hacpo.shares and len(specs) < 2:
+    if hacpo.shares and len(specs) < 2 and hacpo.replay_peer is None:
         raise ConfigError(
             f"algorithm.hacpo.mode={hacpo.mode}: sharing needs at least 2 agents, got {len(specs)}; "
             "add an agent or use mode=isolated"
         )
     if hacpo.mode == "graft":
         _validate_graft(cfg, specs)
+    if hacpo.replay_peer is not None:
+        _validate_replay(hacpo.replay_peer, specs)
 
     master_port_ranges(cfg.trainer.master_port_range, [s.name for s in specs])  # one line if unusable
     _validate_batches(cfg, specs)
@@ -306,6 +308,24 @@ def _validate_graft(cfg: DictConfig, specs: list[AgentSpec]) -> None:
                 f"agents[{s.index}] ({s.name}): rollout_n={s.rollout_n} does not split over its {world} GPUs; "
                 "mode=graft scores grafted groups on the receiver's GPUs, so pick a multiple of the GPU count"
             )
+
+
+def _validate_replay(agent_dir: str, specs: list[AgentSpec]) -> None:
+    """GRAFT's replay trains one agent alone against a recorded peer of the same group size."""
+    from recipe_hacpo.replay import read_manifest
+
+    if len(specs) != 1:
+        raise ConfigError(
+            f"algorithm.hacpo.replay_peer: trains one agent alone against the recording, got {len(specs)} agents "
+            f"({', '.join(s.name for s in specs)})"
+        )
+    manifest = read_manifest(agent_dir)
+    if int(manifest["rollout_n"]) != specs[0].rollout_n:
+        raise ConfigError(
+            f"agents[0] ({specs[0].name}): rollout_n={specs[0].rollout_n} but the recorded peer "
+            f"{manifest['name']!r} sampled {manifest['rollout_n']} per prompt; a grafted group replaces a whole group, "
+            "so set them equal"
+        )
 
 
 def _rows_per_prompt(specs: list[AgentSpec], learner: AgentSpec, cfg: DictConfig) -> int:

@@ -26,7 +26,7 @@ and SGT (docs/ALGORITHM.md §9, SGT; `sgt_exchange`, `sgt_advantages`):
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 import torch
@@ -109,16 +109,43 @@ def selection_metrics(name: str, batch: DataProto, selection: ShareSelection, le
 
 def graft_exchange(trainer: "HacpoTrainer", rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
     """Learner batches of mode graft: per prompt, the receiver's own group or one source's whole group."""
-    from recipe_hacpo.trainer import _concat_rows, _tag
-
     specs = trainer.specs
     names = [s.name for s in specs]
-    for name in names:  # G2: on the full group, before anything is exchanged or dropped
-        batch = rollouts[name]
-        batch.batch[K.GROUP_ADVANTAGE] = grpo_advantage(batch.batch[K.REWARD], batch.non_tensor_batch["uid"]).float()
+    with_group_advantages(rollouts)
     uids, correct = correct_counts(rollouts, names)
     sizes = torch.as_tensor([s.rollout_n for s in specs], dtype=torch.long)
     source_of = graft_selection(correct, sizes, balance=trainer.hacpo.graft_balance)  # [N_R, Q]
+    batches = graft_batches(rollouts, names, source_of, uids, {s.name: s.index for s in specs},
+                            lambda source, learner, part: trainer.exchanges[(source, learner)].convert(part))
+    for learner in specs:
+        metrics[f"agent/{learner.name}/graft/groups_received"] = float((source_of[learner.index] >= 0).sum())
+        metrics[f"agent/{learner.name}/graft/groups_given"] = float((source_of == learner.index).sum())
+    weigh_grafted_rows(trainer, batches, metrics)
+    for name, batch in batches.items():
+        metrics[f"agent/{name}/cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
+    return batches
+
+
+def with_group_advantages(rollouts: dict[str, DataProto]) -> None:
+    """G2: every source's GRPO advantage on its full group, before anything is exchanged or dropped
+    (`GROUP_ADVANTAGE` then travels with each row)."""
+    for batch in rollouts.values():
+        batch.batch[K.GROUP_ADVANTAGE] = grpo_advantage(batch.batch[K.REWARD], batch.non_tensor_batch["uid"]).float()
+
+
+def graft_batches(
+    rollouts: dict[str, DataProto],
+    names: list[str],
+    source_of: torch.Tensor,
+    uids: list[str],
+    learners: dict[str, int],
+    convert: Callable[[str, str, DataProto], DataProto],
+) -> dict[str, DataProto]:
+    """Each learner's batch: its own rows of the prompts it keeps, then each source's whole groups of
+    the prompts `source_of` [N_R, Q] gives it from that source (index into `names`), re-tokenized by
+    `convert(source name, learner name, rows)`."""
+    from recipe_hacpo.trainer import _concat_rows, _tag
+
     prompt_of = {u: i for i, u in enumerate(uids)}
 
     def rows_for(name: str, receiver: int, wanted: int) -> torch.Tensor:
@@ -127,25 +154,20 @@ def graft_exchange(trainer: "HacpoTrainer", rollouts: dict[str, DataProto], metr
         return torch.nonzero(source_of[receiver, q] == wanted).flatten()
 
     batches = {}
-    for learner in specs:
-        own = rows_for(learner.name, learner.index, -1)
-        parts = [_tag(rollouts[learner.name].select_idxs(own), source=learner.index, cross=False, omega=1.0)]
-        for src in specs:
-            rows = rows_for(src.name, learner.index, src.index) if src.name != learner.name else own[:0]
+    for learner, receiver in learners.items():
+        own = rows_for(learner, receiver, -1)
+        parts = [_tag(rollouts[learner].select_idxs(own), source=names.index(learner), cross=False, omega=1.0)]
+        for index, source in enumerate(names):
+            rows = rows_for(source, receiver, index) if source != learner else own[:0]
             if len(rows):
-                converted = trainer.exchanges[(src.name, learner.name)].convert(rollouts[src.name].select_idxs(rows))
-                parts.append(_tag(converted, source=src.index, cross=True, omega=1.0))
+                parts.append(_tag(convert(source, learner, rollouts[source].select_idxs(rows)), source=index,
+                                  cross=True, omega=1.0))
         # a receiver may have no own group left, never no group at all (every prompt has one)
-        batches[learner.name] = _concat_rows([p for p in parts if len(p)])
-        metrics[f"agent/{learner.name}/graft/groups_received"] = float((source_of[learner.index] >= 0).sum())
-        metrics[f"agent/{learner.name}/graft/groups_given"] = float((source_of == learner.index).sum())
-    _weigh_grafted_rows(trainer, batches, metrics)
-    for name, batch in batches.items():
-        metrics[f"agent/{name}/cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
+        batches[learner] = _concat_rows([p for p in parts if len(p)])
     return batches
 
 
-def _weigh_grafted_rows(trainer: "HacpoTrainer", batches: dict[str, DataProto], metrics: dict) -> None:
+def weigh_grafted_rows(trainer: "HacpoTrainer", batches: dict[str, DataProto], metrics: dict) -> None:
     """G3: the receiver's old log-probs of its grafted rows (one forward over them only), w and the gate.
 
     A grafted row the floor drops keeps its place in the batch (so every group keeps n rows and

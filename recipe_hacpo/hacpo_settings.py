@@ -146,6 +146,11 @@ class HacpoSettings:
         "`uniform`ly mixed (ablations)",
         choices=PEER_ORDERS,
     )
+    replay_peer: str | None = _key(
+        None, "§9", "`mode=graft`, one agent: a recorded agent's folder (`trainer.record_rollouts_dir`/<agent>) whose "
+        "rollouts of each step stand in for a live peer (GRAFT's replay: one direction, no balancing, rewards "
+        "re-verified); `null`: live peers",
+    )
     sgt_lambda: float = _key(
         0.1, "§9", "`mode=sgt`: λ, weight of the token-mean NLL of the imitated peer responses added to the "
         "receiver's GRPO loss (the value GRAFT's paper ran SGT with); 0 leaves plain GRPO",
@@ -201,6 +206,11 @@ class HacpoSettings:
                 f"{_at('share_selection', settings.share_selection)}: must be all with {PATH}.mode={settings.mode}, "
                 f"which {why}; complementary selects the peer rows of mode=hacpo or naive"
             )
+        if settings.replay_peer is not None and settings.mode != "graft":
+            raise ConfigError(
+                f"{_at('replay_peer', settings.replay_peer)}: replays a recorded peer for mode=graft; set "
+                f"{PATH}.mode=graft or replay_peer=null"
+            )
         return settings
 
 
@@ -243,6 +253,10 @@ def _coerce(f, value: Any) -> Any:
         raise ConfigError(f"{_at(f.name, value)}: must be a number" + (" or null" if "None" in kind else ""))
     if kind == "float | None":
         return None
+    if kind == "str | None":
+        if value is None or (isinstance(value, str) and value):
+            return value
+        raise ConfigError(f"{_at(f.name, value)}: must be a path or null")
     if kind == "tuple[float, float]":
         pair = [_number(v) for v in value] if isinstance(value, (list, tuple)) else []
         if len(pair) == 2 and None not in pair:

@@ -65,6 +65,7 @@ from recipe_hacpo.reliability import (
     describe_failure,
     find_resume_checkpoint,
 )
+from recipe_hacpo.replay import RecordedPeer, record_rollouts, replay_exchange
 from recipe_hacpo.scoring import Verifier, attach_rewards, load_reward_fn
 from verl import DataProto
 from verl.utils.profiler.performance import simple_timer
@@ -111,6 +112,10 @@ class HacpoTrainer:
         # starting); agents on the shared pool build in turn; a failure names its agent
         self._each(lambda a: a.build(self.hacpo, shared if a.spec.uses_shared_pool else None))
         self.exchanges = self._build_exchanges()
+        if self.hacpo.replay_peer is not None:  # GRAFT against a recorded peer (replay.py); one live agent
+            self.replay_peer = RecordedPeer(self.hacpo.replay_peer)
+            (learner,) = self.agents.values()
+            self.replay_exchange = self._converter(self.replay_peer.tokenizer, self.replay_peer.eos_token_ids, learner)
 
     def _shared_pool(self):
         if not any(s.uses_shared_pool for s in self.specs):
@@ -120,21 +125,23 @@ class HacpoTrainer:
 
     def _build_exchanges(self) -> dict[tuple[str, str], RolloutExchange]:
         """One converter per (source, learner) pair; its widths are the learner's rollout limits."""
-        out = {}
+        return {
+            (source.spec.name, learner.spec.name): self._converter(source.tokenizer, source.eos_token_ids, learner)
+            for learner in self.agents.values()
+            for source in self.agents.values()
+        }
+
+    def _converter(self, source_tokenizer, source_eos_ids: list[int], learner: AgentRuntime) -> RolloutExchange:
+        rollout = learner.config.actor_rollout_ref.rollout
         template_kwargs = self.config.data.get("apply_chat_template_kwargs")
-        template_kwargs = OmegaConf.to_container(template_kwargs, resolve=True) if template_kwargs else {}
-        for learner in self.agents.values():
-            rollout = learner.config.actor_rollout_ref.rollout
-            for source in self.agents.values():
-                out[(source.spec.name, learner.spec.name)] = RolloutExchange(
-                    source.tokenizer,
-                    learner.tokenizer,
-                    source_eos_ids=source.eos_token_ids,
-                    max_prompt_length=int(rollout.prompt_length),
-                    max_response_length=int(rollout.response_length),
-                    chat_template_kwargs=template_kwargs,
-                )
-        return out
+        return RolloutExchange(
+            source_tokenizer,
+            learner.tokenizer,
+            source_eos_ids=source_eos_ids,
+            max_prompt_length=int(rollout.prompt_length),
+            max_response_length=int(rollout.response_length),
+            chat_template_kwargs=OmegaConf.to_container(template_kwargs, resolve=True) if template_kwargs else {},
+        )
 
     def _each(self, fn: Callable[[AgentRuntime], T], phase: str | None = None) -> dict[str, T]:
         """Run `fn` for every agent: concurrently across own pools, in turn on the shared pool.
@@ -174,6 +181,10 @@ class HacpoTrainer:
             self.score(rollouts, metrics)
         with phase("old_log_prob"):
             self.old_log_probs(rollouts, metrics)
+        record_dir = self.config.trainer.get("record_rollouts_dir")
+        if record_dir:  # for a later run that replays one of these agents (replay.py)
+            with phase("record"):
+                record_rollouts(str(record_dir), self.global_step, rollouts, self.specs)
         self.update_capabilities(rollouts, metrics)
         with phase("exchange"):
             batches = self.exchange(rollouts, metrics)
@@ -272,6 +283,8 @@ class HacpoTrainer:
         graft, per prompt the receiver's own group or one source's whole group; in mode sgt, own
         rows plus one imitation slot per prompt group."""
         if self.hacpo.mode == "graft":
+            if self.hacpo.replay_peer is not None:
+                return replay_exchange(self, rollouts, metrics)
             return graft_exchange(self, rollouts, metrics)
         if self.hacpo.mode == "sgt":
             return sgt_exchange(self, rollouts, metrics)

@@ -31,7 +31,8 @@ def graft_run(tmp_path_factory, warm_agent_paths):
         out,
         agent_overrides(warm_agent_paths, kinds) + GRAFT
         + ["algorithm.hacpo.graft_balance=false", "trainer.total_training_steps=2", "trainer.save_freq=1",
-           "trainer.test_freq=-1", "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches"],
+           "trainer.test_freq=-1", "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches",
+           f"trainer.record_rollouts_dir={out}/recorded"],
     )
     return out, records, kinds
 
@@ -119,6 +120,69 @@ def test_graft_resume_continues_from_checkpoint(graft_run, warm_agent_paths):
     assert_finite_losses(steps, ["qwen_char", "llama_pair"])
     ckpt = os.path.join(out, "ckpt")
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "3"
+
+
+def test_replay_of_a_recorded_peer_trains_one_agent_alone(graft_run, tmp_path, warm_agent_paths):
+    """The two-agent GRAFT run recorded both agents; the agent that received more groups there now
+    trains alone against the other's recording (GRAFT's replay): per step, the grafted prompts are
+    exactly those it failed where the recorded group is mixed (one direction, no balancing), and the
+    grafted rows are the recorded responses with the recorded source's advantages and log-probs."""
+    from verl import DataProto
+
+    from recipe_hacpo.replay import replay_selection, step_file
+
+    recorded_run, records, kinds = graft_run
+    names = ["qwen_char", "llama_pair"]
+    first = train_steps(records)[1]
+    receiver = max((0, 1), key=lambda k: first[f"agent/{names[k]}/graft/groups_received"])
+    peer = 1 - receiver
+    peer_dir = os.path.join(recorded_run, "recorded", names[peer])
+    out = str(tmp_path)
+    steps = train_steps(run_main(out, [
+        *agent_overrides(warm_agent_paths, [kinds[receiver]]), *GRAFT, f"algorithm.hacpo.replay_peer={peer_dir}",
+        "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches",
+        f"trainer.record_rollouts_dir={out}/own"]))
+    name = names[receiver]
+    assert sorted(steps) == [1, 2]
+    assert_finite_losses(steps, [name])
+    grafted = 0
+    for step in (1, 2):
+        m = steps[step]
+        batch = DataProto.load_from_disk(os.path.join(out, "batches", f"step_{step}", f"{name}.pkl"))
+        mine = DataProto.load_from_disk(step_file(os.path.join(out, "own", name), step))
+        theirs = DataProto.load_from_disk(step_file(peer_dir, step))
+        uids = list(dict.fromkeys(mine.non_tensor_batch["uid"].tolist()))
+
+        def correct(b):
+            return [int((b.batch[K.REWARD][b.non_tensor_batch["uid"] == u] > 0).sum()) for u in uids]
+
+        taken = replay_selection(torch.tensor([correct(mine), correct(theirs)]), peer_n=G)
+        expected = {u for u, t in zip(uids, taken.tolist()) if t}
+        groups = _groups(batch)
+        cross = batch.batch[K.IS_CROSS]
+        got = {u for u, rows in groups.items() if cross[torch.as_tensor(rows)].all()}
+        assert got == expected and len(groups) == PROMPTS and all(len(r) == G for r in groups.values())
+        assert m[f"agent/{name}/graft/groups_received"] == len(expected)
+        assert m[f"agent/{name}/cross/rows"] == len(expected) * G
+        for u in expected:
+            rows, src_rows = torch.as_tensor(groups[u]), np.flatnonzero(theirs.non_tensor_batch["uid"] == u)
+            # the recorded responses (as text), their re-verified rewards, the recorded source's
+            # GRPO advantages and mean log-probs
+            assert sorted(batch.non_tensor_batch[K.RESPONSE_TEXT][rows.numpy()].tolist()) == \
+                sorted(theirs.non_tensor_batch[K.RESPONSE_TEXT][src_rows].tolist())
+            rewards = theirs.batch[K.REWARD][src_rows]
+            assert sorted(batch.batch[K.REWARD][rows].tolist()) == sorted(rewards.tolist())
+            assert sorted(batch.batch[K.GROUP_ADVANTAGE][rows].tolist()) == pytest.approx(
+                sorted(grpo_advantage(rewards, np.array([u] * G)).tolist()), abs=1e-6)
+            assert sorted(batch.batch[K.SOURCE_LOG_PROB_MEAN][rows].tolist()) == pytest.approx(
+                sorted(theirs.batch[K.SOURCE_LOG_PROB_MEAN][src_rows].tolist()), abs=1e-6)
+        w = batch.batch[K.GRAFT_WEIGHT]
+        assert torch.all(w[~cross] == 1.0) and torch.all((w[cross] == 0) | ((w[cross] > 0.8) & (w[cross] <= 1)))
+        assert m[f"agent/{name}/graft/admitted"] + m[f"agent/{name}/graft/dropped"] == len(expected) * G
+        grafted += len(expected)
+    assert grafted > 0, "no recorded group was grafted in two steps; the test checked nothing"
+    assert_weights_changed(warm_agent_paths[kinds[receiver]], os.path.join(out, "ckpt", "global_step_2", name))
 
 
 def test_graft_three_agents(tmp_path, warm_agent_paths):

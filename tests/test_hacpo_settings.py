@@ -145,6 +145,8 @@ BAD = [
     ("algorithm.hacpo.graft_ratio=seq", "graft_ratio", "must be one of token, sequence"),
     ("algorithm.hacpo.graft_order=random", "graft_order", "must be one of last, first, uniform"),
     ("algorithm.hacpo.sgt_lambda=-0.1", "sgt_lambda", "must be a finite number >= 0"),
+    ("algorithm.hacpo.replay_peer=/tmp/recorded/a", "replay_peer", "replays a recorded peer for mode=graft"),
+    ("algorithm.hacpo.replay_peer=3", "replay_peer", "must be a path or null"),
     ("+algorithm.hacpo.alhpa=1", "alhpa", "unknown key"),
 ]
 
