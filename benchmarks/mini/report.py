@@ -467,7 +467,8 @@ def write_cost_profile(path: str, summaries: list[dict], setup: Setup, command: 
     arms = {k: [s for s in summaries if s["pair"] == pair and s["arm"] == k] for k in keys}
     med = {k: phase_medians(v) for k, v in arms.items() if v}
     lines = [
-        "# Cost profile: time per phase per step, HACPO against isolated GSPO (CPU, real trainer)",
+        "# Cost profile: time per phase per step, "
+        + ("every arm of both families" if len(med) > 4 else "HACPO against isolated GSPO") + " (CPU, real trainer)",
         "",
         "A HACPO step of this checkout against the old rollout path, side by side with the same seeds, and where "
         "an actor worker's time goes: `step_speed.md` (`benchmarks/step_speed.py`).",
