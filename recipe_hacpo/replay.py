@@ -31,6 +31,7 @@ import torch
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.atomic_io import atomic_write_json, fsync_dir
+from recipe_hacpo.graft import complementary_candidates
 from recipe_hacpo.hacpo_settings import ConfigError
 from recipe_hacpo.scoring import attach_rewards
 from verl import DataProto
@@ -80,16 +81,16 @@ def read_manifest(agent_dir: str) -> dict:
 
 
 def replay_selection(correct: torch.Tensor, peer_n: int) -> torch.Tensor:
-    """R3: the prompts whose group the receiver takes from the recorded peer, bool [Q].
+    """R3: the prompts whose group the receiver takes from the recorded peer, bool [Q]: GRAFT's
+    candidates of the direction S → R (`graft.complementary_candidates`), not balanced.
 
-        C_{S→R} = { q : k_R(q) = 0  and  1 ≤ k_S(q) < n_S }   (no balancing)
+        C_{S→R} = { q : k_R(q) = 0  and  1 ≤ k_S(q) < n_S }
 
     Args:
         correct: [k_R(q), k_S(q)], long [2, Q].
-        peer_n: n_S.
+        peer_n: n_S (the receiver's n is the same; config.py checks it).
     """
-    k_r, k_s = correct[0], correct[1]
-    return (k_r == 0) & (k_s >= 1) & (k_s < peer_n)
+    return complementary_candidates(correct, torch.tensor([peer_n, peer_n]))[1, 0]
 
 
 def _prompt_key(messages) -> str:
