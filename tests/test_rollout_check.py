@@ -210,10 +210,11 @@ def test_off_measures_only_and_healthy_runs_never_fire(capsys):
 # ------------------------------------------------------------------ end to end (hf backend)
 @pytest.mark.e2e
 @pytest.mark.ray
-def test_a_withheld_sync_stops_the_run_before_the_update_and_keeps_the_last_checkpoint(tmp_path, tiny_agent_paths):
+def test_a_withheld_sync_stops_the_run_before_the_update_and_keeps_the_last_checkpoint(tmp_path, warm_agent_paths):
     """The negative control through `python -m recipe_hacpo.main`: one agent's engine keeps the
     weights of its first sync (tests/vllm_driver.py's freeze hook, backend-independent). Step 1
-    samples from the synced start; at step 2 its engine is one update behind, the check stops
+    samples from the synced start (warm-started agents: mixed rewards, so step 1's update moves
+    the weights); at step 2 its engine is one update behind, the check stops
     the run before step 2's update, names the agent, the step and the figures, and step 1's
     checkpoint stays the latest and complete."""
     import json
@@ -226,7 +227,7 @@ def test_a_withheld_sync_stops_the_run_before_the_update_and_keeps_the_last_chec
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = str(tmp_path)
     agents = ",".join(
-        f"{{name:{name},model_path:'{tiny_agent_paths[kind]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
+        f"{{name:{name},model_path:'{warm_agent_paths[kind]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
         for kind, name in (("qwen2-char-small", "qwen_char"), ("llama-pair-medium", "llama_pair"))
     )
     cmd = [sys.executable, os.path.join(repo, "tests", "vllm_driver.py"), "--config-name", "hacpo_cpu_demo",
@@ -245,6 +246,7 @@ def test_a_withheld_sync_stops_the_run_before_the_update_and_keeps_the_last_chec
     with open(os.path.join(out, "metrics.jsonl")) as f:
         steps = {r["step"]: r["data"] for r in map(json.loads, f) if "training/global_step" in r["data"]}
     assert sorted(steps) == [1]
+    assert steps[1]["agent/llama_pair/advantage/abs_mean"] > 0  # step 1's update changed its weights
     for name in ("qwen_char", "llama_pair"):
         assert steps[1][f"agent/{name}/rollout/policy_mismatch"] == 0.0
         assert steps[1][f"agent/{name}/rollout/log_prob_diff_max"] < 1e-5
