@@ -204,12 +204,14 @@ AGENT_KINDS: dict[str, TinyModelSpec] = {
     "qwen2-char-h32": TinyModelSpec("qwen2", "char", 64, 2, 2, 1, 128, True),
     "llama-pair-h32": TinyModelSpec("llama", "pair", 96, 2, 3, 1, 192, False),
     "qwen2-char-h32-medium": TinyModelSpec("qwen2", "char", 128, 2, 4, 2, 256, True),
+    # multi-head attention (as many KV heads as heads), untied: a cell of the vLLM tier's kind matrix
+    "llama-pair-h32-mha": TinyModelSpec("llama", "pair", 64, 2, 2, 2, 128, False),
 }
 
 # the agents of the demo, the hf-backed tests and the benchmark (every shipped warm start)
 DEFAULT_KINDS = ("qwen2-char-small", "qwen2-char-medium", "llama-pair-medium")
 # agents whose head size vLLM's CPU attention supports (`rollout.name=vllm` on CPU)
-VLLM_CPU_KINDS = ("qwen2-char-h32", "llama-pair-h32", "qwen2-char-h32-medium")
+VLLM_CPU_KINDS = ("qwen2-char-h32", "llama-pair-h32", "qwen2-char-h32-medium", "llama-pair-h32-mha")
 
 DEFAULT_SEEDS = {
     "qwen2-char-small": 0,
@@ -218,6 +220,7 @@ DEFAULT_SEEDS = {
     "qwen2-char-h32": 3,
     "llama-pair-h32": 4,
     "qwen2-char-h32-medium": 5,
+    "llama-pair-h32-mha": 9,
 }
 
 
