@@ -42,7 +42,8 @@ def run_main(out_dir: str, overrides: list[str], timeout: int = 900) -> list[dic
 
 
 def agent_overrides(paths: dict[str, str], kinds: list[str]) -> list[str]:
-    names = {"qwen2-char-small": "qwen_char", "llama-pair-medium": "llama_pair", "qwen2-char-medium": "qwen_mid"}
+    names = {"qwen2-char-small": "qwen_char", "llama-pair-medium": "llama_pair", "qwen2-char-medium": "qwen_mid",
+             "qwen3-tied": "qwen3", "llama3p2-tied": "llama3"}
     agents = ",".join(
         f"{{name:{names[k]},model_path:'{paths[k]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
         for k in kinds
@@ -129,17 +130,20 @@ def check_learner_batches(step_dir: str, model_dirs: dict[str, str], prompts: in
 
 
 # ----------------------------------------------------------------------------- 3 agents, other modes
-def test_three_agents_with_kl_to_reference_on_grafts_selected_prompts(tmp_path, warm_agent_paths):
-    """Three agents, HACPO with a KL term to each agent's reference model, trained on GRAFT's
-    selected prompts (`share_selection=complementary`; HACPO on every prompt, the default, runs
-    with three agents in the vLLM tier): every peer row keeps its place in the learner batch,
-    the unselected ones without a token, an advantage or a place in the group statistics."""
+def test_three_agents_with_kl_to_reference_on_grafts_selected_prompts(tmp_path, warm_agent_paths, warm_real_agent_paths):
+    """Three agents with three tokenizers, HACPO with a KL term to each agent's reference model,
+    trained on GRAFT's selected prompts (`share_selection=complementary`; HACPO on every prompt,
+    the default, runs with three agents in the vLLM tier): every peer row keeps its place in the
+    learner batch, the unselected ones without a token, an advantage or a place in the group
+    statistics. Two of the agents are the presets' pair in miniature (tied Qwen3 and tied
+    Llama-3.2 with the real Qwen3 and Llama-3 tokenizers), beside a tiny Qwen2."""
     from verl import DataProto
 
-    kinds = ["qwen2-char-small", "qwen2-char-medium", "llama-pair-medium"]
+    kinds = ["qwen2-char-small", "qwen3-tied", "llama3p2-tied"]
+    warm = {**warm_agent_paths, **warm_real_agent_paths}
     records = run_main(
         str(tmp_path),
-        agent_overrides(warm_agent_paths, kinds)
+        agent_overrides(warm, kinds)
         + ["trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
            "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
            # without GRAFT's balancing, so that these tiny agents' two steps select some prompts
@@ -147,7 +151,7 @@ def test_three_agents_with_kl_to_reference_on_grafts_selected_prompts(tmp_path, 
            f"trainer.learner_batch_dir={tmp_path}/batches"],
     )
     steps = train_steps(records)
-    names = ["qwen_char", "qwen_mid", "llama_pair"]
+    names = ["qwen_char", "qwen3", "llama3"]
     assert_finite_losses(steps, names)
     for name in names:
         # every learner's batch (own and cross rows) was scored by its own reference model
@@ -169,7 +173,7 @@ def test_three_agents_with_kl_to_reference_on_grafts_selected_prompts(tmp_path, 
     # not vacuous: some learner trained on a peer's selected rows
     assert sum(steps[s][f"agent/{n}/cross/rows_selected"] for s in (1, 2) for n in names) > 0
     for kind, name in zip(kinds, names):
-        assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
+        assert_weights_changed(warm[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
 
 
 def test_isolated_mode_shares_nothing(tmp_path, warm_agent_paths):

@@ -1,6 +1,9 @@
 """End to end: `python -m recipe_hacpo.main` with `algorithm.hacpo.mode=graft` through Ray on CPU,
-tiny agents with different tokenizers, 2 agents with checkpoint and resume, and 3 agents; and
-`mode=sgt` (`+baseline=sgt`) with 2 agents."""
+tiny agents with different tokenizers, 2 agents with checkpoint, resume and evaluation of the
+checkpoint, and 3 agents; and `mode=sgt` (`+baseline=sgt`) with 2 agents.
+
+The two-agent runs train the presets' pair in miniature: a tied Qwen3 and a tied Llama-3.2 with
+the real Qwen3 and Llama-3 tokenizers (`tiny_agents.REAL_ARCH_KINDS`)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from test_e2e import agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
+from conftest import REAL_PAIR
+from test_e2e import REPO, agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.graft import grpo_advantage
@@ -20,16 +24,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 GRAFT = ["algorithm.hacpo.mode=graft", "actor_rollout_ref.actor.clip_ratio_low=0.2",
          "actor_rollout_ref.actor.clip_ratio_high=0.28"]
 G, PROMPTS = 4, 8  # hacpo_cpu_demo: rollout_n 4, 8 prompts a step
+PAIR, PAIR_NAMES = list(REAL_PAIR), ["qwen3", "llama3"]  # Qwen3 + Llama-3.2, real tokenizers
 
 
 @pytest.fixture(scope="module")
-def graft_run(tmp_path_factory, warm_agent_paths):
+def graft_run(tmp_path_factory, warm_real_agent_paths):
     out = str(tmp_path_factory.mktemp("graft2"))
-    kinds = ["qwen2-char-small", "llama-pair-medium"]
+    kinds = PAIR
     # without balancing a graft needs one direction only, so the tiny agents graft in most steps
     records = run_main(
         out,
-        agent_overrides(warm_agent_paths, kinds) + GRAFT
+        agent_overrides(warm_real_agent_paths, kinds) + GRAFT
         + ["algorithm.hacpo.graft_balance=false", "trainer.total_training_steps=2", "trainer.save_freq=1",
            "trainer.test_freq=-1", "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches",
            f"trainer.record_rollouts_dir={out}/recorded"],
@@ -42,12 +47,12 @@ def _groups(batch):
     return {u: np.flatnonzero(uid == u) for u in dict.fromkeys(uid.tolist())}
 
 
-def test_graft_two_agents_learner_batches(graft_run, warm_agent_paths):
+def test_graft_two_agents_learner_batches(graft_run, warm_real_agent_paths):
     from verl import DataProto
 
     out, records, kinds = graft_run
     steps = train_steps(records)
-    names = ["qwen_char", "llama_pair"]
+    names = PAIR_NAMES
     assert sorted(steps) == [1, 2]
     assert_finite_losses(steps, names)
     grafted_somewhere = 0
@@ -104,25 +109,41 @@ def test_graft_two_agents_learner_batches(graft_run, warm_agent_paths):
             assert steps[step][f"agent/{name}/graft/groups_given"] == given[name]
     assert grafted_somewhere > 0, "no group was grafted in two steps; the test checked nothing"
     for kind, name in zip(kinds, names):
-        assert_weights_changed(warm_agent_paths[kind], os.path.join(out, "ckpt", "global_step_2", name))
+        assert_weights_changed(warm_real_agent_paths[kind], os.path.join(out, "ckpt", "global_step_2", name))
 
 
-def test_graft_resume_continues_from_checkpoint(graft_run, warm_agent_paths):
+def test_graft_resume_continues_from_checkpoint_and_evaluates_it(graft_run, warm_real_agent_paths, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from test_evaluate import _bench
+
     out, _, kinds = graft_run
     records = run_main(
         out,
-        agent_overrides(warm_agent_paths, kinds) + GRAFT
+        agent_overrides(warm_real_agent_paths, kinds) + GRAFT
         + ["algorithm.hacpo.graft_balance=false", "trainer.total_training_steps=3", "trainer.save_freq=1",
            "trainer.test_freq=-1", "trainer.resume_mode=auto"],
     )
     steps = train_steps(records)
     assert sorted(steps) == [3], steps.keys()
-    assert_finite_losses(steps, ["qwen_char", "llama_pair"])
+    assert_finite_losses(steps, PAIR_NAMES)
     ckpt = os.path.join(out, "ckpt")
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "3"
 
+    # the resumed run's checkpoint evaluates: both tied agents' shards merged into HF models
+    bench, ev_out = _bench(tmp_path, "gsm8k"), tmp_path / "eval"
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipe_hacpo.evaluate", "--agents-from", f"graft={ckpt}", "--bench", f"GSM8K={bench}",
+         "--backend", "hf", "--device", "cpu", "--max-new-tokens", "4", "--out", str(ev_out)],
+        cwd=REPO, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert set(json.loads((ev_out / "metrics.json").read_text())) == {f"graft/{n}" for n in PAIR_NAMES}
 
-def test_replay_of_a_recorded_peer_trains_one_agent_alone(graft_run, tmp_path, warm_agent_paths):
+
+def test_replay_of_a_recorded_peer_trains_one_agent_alone(graft_run, tmp_path, warm_real_agent_paths):
     """The two-agent GRAFT run recorded both agents; the agent that received more groups there now
     trains alone against the other's recording (GRAFT's replay): per step, the grafted prompts are
     exactly those it failed where the recorded group is mixed (one direction, no balancing), and the
@@ -132,14 +153,14 @@ def test_replay_of_a_recorded_peer_trains_one_agent_alone(graft_run, tmp_path, w
     from recipe_hacpo.replay import replay_selection, step_file
 
     recorded_run, records, kinds = graft_run
-    names = ["qwen_char", "llama_pair"]
+    names = PAIR_NAMES
     first = train_steps(records)[1]
     receiver = max((0, 1), key=lambda k: first[f"agent/{names[k]}/graft/groups_received"])
     peer = 1 - receiver
     peer_dir = os.path.join(recorded_run, "recorded", names[peer])
     out = str(tmp_path)
     steps = train_steps(run_main(out, [
-        *agent_overrides(warm_agent_paths, [kinds[receiver]]), *GRAFT, f"algorithm.hacpo.replay_peer={peer_dir}",
+        *agent_overrides(warm_real_agent_paths, [kinds[receiver]]), *GRAFT, f"algorithm.hacpo.replay_peer={peer_dir}",
         "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1",
         "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches",
         f"trainer.record_rollouts_dir={out}/own"]))
@@ -182,7 +203,7 @@ def test_replay_of_a_recorded_peer_trains_one_agent_alone(graft_run, tmp_path, w
         assert m[f"agent/{name}/graft/admitted"] + m[f"agent/{name}/graft/dropped"] == len(expected) * G
         grafted += len(expected)
     assert grafted > 0, "no recorded group was grafted in two steps; the test checked nothing"
-    assert_weights_changed(warm_agent_paths[kinds[receiver]], os.path.join(out, "ckpt", "global_step_2", name))
+    assert_weights_changed(warm_real_agent_paths[kinds[receiver]], os.path.join(out, "ckpt", "global_step_2", name))
 
 
 def test_graft_three_agents(tmp_path, warm_agent_paths):
@@ -207,16 +228,15 @@ def test_graft_three_agents(tmp_path, warm_agent_paths):
         assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
 
 
-def test_sgt_two_agents_imitate_the_drawn_correct_peer_response(tmp_path, warm_agent_paths):
+def test_sgt_two_agents_imitate_the_drawn_correct_peer_response(tmp_path, warm_real_agent_paths):
     from verl import DataProto
 
-    kinds = ["qwen2-char-small", "llama-pair-medium"]
-    names = ["qwen_char", "llama_pair"]
+    kinds, names = PAIR, PAIR_NAMES
     seed = 7
     out = str(tmp_path)
     records = run_main(
         out,
-        agent_overrides(warm_agent_paths, kinds)
+        agent_overrides(warm_real_agent_paths, kinds)
         # hacpo_cpu_demo's update: 4 prompts × (4 own rows + 1 imitation slot) = 20 rows, 2 micro-batches
         + ["+baseline=sgt", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10",
@@ -269,4 +289,4 @@ def test_sgt_two_agents_imitate_the_drawn_correct_peer_response(tmp_path, warm_a
             imitated_somewhere += imitated
     assert imitated_somewhere > 0, "no prompt was imitated in two steps; the test checked nothing"
     for kind, name in zip(kinds, names):
-        assert_weights_changed(warm_agent_paths[kind], os.path.join(out, "ckpt", "global_step_2", name))
+        assert_weights_changed(warm_real_agent_paths[kind], os.path.join(out, "ckpt", "global_step_2", name))

@@ -172,10 +172,13 @@ def test_the_targets_run_what_the_readme_says(clone):
     quick = f'.venv/bin/python -m pytest {flags} -n 2 -m "not ray and not e2e and not vllm"'
     ray = f'.venv/bin/python -m pytest {flags} -m "(ray or e2e) and not vllm"'
     vllm = f".venv-vllm/bin/python -m pytest {flags} -m vllm tests/test_vllm_tier.py"
-    assert _make(clone, "-n", "test-quick").stdout.strip().splitlines() == [quick]
-    assert _make(clone, "-n", "test-ray").stdout.strip().splitlines() == [ray]
-    assert _make(clone, "-n", "test-fast").stdout.strip().splitlines() == [quick, ray]
-    assert _make(clone, "-n", "test-vllm").stdout.strip().splitlines() == [vllm]
+    # every test target fetches the real tokenizers into their cache first (once per make)
+    tokenizers = "python3 -m recipe_hacpo.real_tokenizers"
+    assert _make(clone, "-n", "tokenizers").stdout.strip().splitlines() == [tokenizers]
+    assert _make(clone, "-n", "test-quick").stdout.strip().splitlines() == [tokenizers, quick]
+    assert _make(clone, "-n", "test-ray").stdout.strip().splitlines() == [tokenizers, ray]
+    assert _make(clone, "-n", "test-fast").stdout.strip().splitlines() == [tokenizers, quick, ray]
+    assert _make(clone, "-n", "test-vllm").stdout.strip().splitlines() == [tokenizers, vllm]
     # make test (CI): the fast tier's two passes, then the vLLM tier, with .venv-vllm's build
     # started in the background first (a no-op here: its stamp is fresh)
     for target in ("test", "test-all"):

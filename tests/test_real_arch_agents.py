@@ -140,3 +140,24 @@ def test_existing_kinds_unchanged():
     }
     assert set(tiny_agents.AGENT_KINDS) | set(tiny_agents.REAL_ARCH_KINDS) == set(tiny_agents.ALL_KINDS)
     assert not set(tiny_agents.AGENT_KINDS) & set(tiny_agents.REAL_ARCH_KINDS)
+
+
+def test_warm_start_loss_on_labelled_positions_equals_the_full_logits_loss(monkeypatch):
+    """For the real vocabularies warm_start applies the output layer to the labelled positions
+    only; the loss (and its gradient) must be the full-logits one."""
+    from recipe_hacpo import warm_start as ws
+    from recipe_hacpo.data import synthetic
+
+    tok = load_tokenizer("llama3")
+    model = tiny_agents.build_real_arch_model(tiny_agents.REAL_ARCH_KIND_SPECS["llama3p2-tied"], tok, 0)
+    prompts, answers = ws.encode_rows(tok, synthetic.generate("add1", "train", 8, 0))
+    batch = ws.make_batch(prompts, answers, tok.pad_token_id)
+    assert model.config.vocab_size >= ws.SPARSE_LOGITS_MIN_VOCAB
+    sparse = ws.sft_loss(model, batch)
+    (grad_sparse,) = torch.autograd.grad(sparse, model.model.embed_tokens.weight)
+    monkeypatch.setattr(ws, "SPARSE_LOGITS_MIN_VOCAB", 10**9)
+    full = ws.sft_loss(model, batch)
+    (grad_full,) = torch.autograd.grad(full, model.model.embed_tokens.weight)
+    torch.testing.assert_close(sparse, full, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad_sparse, grad_full, rtol=1e-4, atol=1e-7)
+    assert float(full) > 1.0  # an untrained model: not a trivially zero loss
