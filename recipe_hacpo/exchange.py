@@ -37,7 +37,7 @@ Multi-modal rows (3-D position ids, `multi_modal_inputs`) are not supported.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -263,6 +263,19 @@ def _fit_prompt(ids: list[int], limit: int, mode: str, row: int) -> list[int]:
 # ---------------------------------------------------------------------------------------
 
 
+class Prepared(NamedTuple):
+    """One batch's learner-side token layout (the six `LAYOUT_KEYS`) and its FINISHED (bool [B]),
+    before the per-row fields are attached (`RolloutExchange.finish`)."""
+
+    layout: dict[str, torch.Tensor]
+    finished: np.ndarray
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> "Prepared":
+        """The same rows as `DataProto.select_idxs(rows)` takes of the source batch."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        return Prepared({k: v[index] for k, v in self.layout.items()}, self.finished[index.numpy()])
+
+
 class RolloutExchange:
     """Converts rollout batches of one source agent into one learner's tokenization.
 
@@ -369,20 +382,41 @@ class RolloutExchange:
         return self.convert(batch)
 
     def convert(self, batch: DataProto) -> DataProto:
-        """The learner-side DataProto for `batch` (a source rollout batch); see module doc."""
+        """The learner-side DataProto for `batch` (a source rollout batch); see module doc.
+
+        Two halves, which `exchange_jobs.ExchangeJobs` runs apart: `prepare` (the token work, from
+        the token tensors and the text only) and `finish` (the per-row fields, whatever the batch
+        carries by then). `convert(b)` is `finish(b, prepare(b))`.
+        """
+        return self.finish(batch, self.prepare(batch))
+
+    def prepare(self, batch: DataProto, texts: Sequence[str] | None = None) -> "Prepared":
+        """The learner's token layout and FINISHED of every row of `batch`.
+
+        Reads only `prompts`, `responses`, `response_mask`, `attention_mask`, the source's
+        `FINISHED` when set, `raw_prompt` and the response text: `texts` when given, else
+        `RESPONSE_TEXT`, else decoded here. Every row is converted on its own, so preparing a
+        whole batch and selecting rows (`Prepared.select`) equals preparing the selected rows.
+        """
         finished = response_finished(batch, self.source_eos_ids)
         if self.shared:
             layout, done = self._relayout_shared(batch, finished)
         else:
-            layout, done = self._retokenize(batch, finished)
+            layout, done = self._retokenize(batch, finished, texts)
+        return Prepared(layout, done)
 
-        tensors = dict(layout)
+    def finish(self, batch: DataProto, prepared: "Prepared") -> DataProto:
+        """The learner-side DataProto: `prepared`'s layout, then every per-row (1-D) tensor and
+        every non-tensor field `batch` holds now (row-aligned), FINISHED the learner's."""
+        if len(prepared.finished) != len(batch):
+            raise ValueError(f"{len(prepared.finished)} prepared rows for a batch of {len(batch)}")
+        tensors = dict(prepared.layout)
         for key, value in batch.batch.items():
             # Per-row values travel; per-token ones are tied to source positions.
             if key not in LAYOUT_KEYS and isinstance(value, torch.Tensor) and value.dim() == 1:
                 tensors[key] = value.clone()
         non_tensor = {key: np.array(value, copy=True) for key, value in batch.non_tensor_batch.items()}
-        non_tensor[batch_keys.FINISHED] = np.array(done.tolist(), dtype=object)
+        non_tensor[batch_keys.FINISHED] = np.array(prepared.finished.tolist(), dtype=object)
         return DataProto(
             batch=TensorDict(tensors, batch_size=[len(batch)]),
             non_tensor_batch=non_tensor,
@@ -419,11 +453,17 @@ class RolloutExchange:
         )
         return layout, done
 
-    def _retokenize(self, batch: DataProto, finished: np.ndarray) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+    def _retokenize(
+        self, batch: DataProto, finished: np.ndarray, texts: Sequence[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
         """Different tokenizers: text of the response, learner's template for the prompt."""
         if "raw_prompt" not in batch.non_tensor_batch:
             raise KeyError("re-tokenization needs the chat messages in non_tensor_batch['raw_prompt']")
-        if batch_keys.RESPONSE_TEXT in batch.non_tensor_batch:
+        if texts is not None:
+            if len(texts) != len(batch):
+                raise ValueError(f"{len(texts)} response texts for a batch of {len(batch)}")
+            texts = [str(t) for t in texts]
+        elif batch_keys.RESPONSE_TEXT in batch.non_tensor_batch:
             texts = [str(t) for t in batch.non_tensor_batch[batch_keys.RESPONSE_TEXT]]
         else:
             texts = decode_responses(batch, self.source_tokenizer)
