@@ -36,6 +36,7 @@ Multi-modal rows (3-D position ids, `multi_modal_inputs`) are not supported.
 
 from __future__ import annotations
 
+import itertools
 import json
 from typing import Any, Iterable, NamedTuple, Sequence
 
@@ -221,22 +222,28 @@ def pack_rows(
     `response_masks` defaults to all ones over each response.
     """
     bsz = len(prompt_ids)
-    prompts = torch.full((bsz, prompt_width), pad_id, dtype=torch.int64)
-    responses = torch.full((bsz, response_width), pad_id, dtype=torch.int64)
-    prompt_att = torch.zeros((bsz, prompt_width), dtype=torch.int64)
-    response_att = torch.zeros((bsz, response_width), dtype=torch.int64)
-    response_mask = torch.zeros((bsz, response_width), dtype=torch.int64)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        if len(p) > prompt_width or len(r) > response_width:
-            raise ValueError(f"row {i}: {len(p)} prompt / {len(r)} response tokens exceed the widths")
-        if p:
-            prompts[i, prompt_width - len(p) :] = torch.as_tensor(p, dtype=torch.int64)
-            prompt_att[i, prompt_width - len(p) :] = 1
-        if r:
-            responses[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
-            response_att[i, : len(r)] = 1
-            m = response_masks[i] if response_masks is not None else [1] * len(r)
-            response_mask[i, : len(r)] = torch.as_tensor(m, dtype=torch.int64)
+    prompt_lengths = np.fromiter(map(len, prompt_ids), dtype=np.int64, count=bsz)
+    response_lengths = np.fromiter(map(len, response_ids), dtype=np.int64, count=bsz)
+    too_long = np.flatnonzero((prompt_lengths > prompt_width) | (response_lengths > response_width))
+    if len(too_long):
+        i = int(too_long[0])
+        raise ValueError(f"row {i}: {len(prompt_ids[i])} prompt / {len(response_ids[i])} response tokens exceed the widths")
+    # one vectorised fill per tensor instead of a Python loop over rows: this runs on the exchange's
+    # background threads, where every line that holds the GIL slows the trainer's own thread
+    prompt_keep = np.arange(prompt_width) >= (prompt_width - prompt_lengths)[:, None]  # left-padded
+    response_keep = np.arange(response_width) < response_lengths[:, None]  # right-padded
+    prompts = _filled(prompt_ids, prompt_keep, pad_id)
+    responses = _filled(response_ids, response_keep, pad_id)
+    prompt_att = torch.from_numpy(prompt_keep.astype(np.int64))
+    response_att = torch.from_numpy(response_keep.astype(np.int64))
+    if response_masks is None:
+        response_mask = response_att.clone()
+    else:
+        mask_lengths = np.fromiter(map(len, response_masks), dtype=np.int64, count=bsz)
+        if (mask_lengths != response_lengths).any():
+            i = int(np.flatnonzero(mask_lengths != response_lengths)[0])
+            raise ValueError(f"row {i}: a response mask of {mask_lengths[i]} for {response_lengths[i]} response tokens")
+        response_mask = _filled(response_masks, response_keep, 0)
     attention_mask = torch.cat([prompt_att, response_att], dim=1)
     return {
         "prompts": prompts,
@@ -247,6 +254,15 @@ def pack_rows(
         # Same formula as verl.utils.model.compute_position_id_with_mask.
         "position_ids": torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0),
     }
+
+
+def _filled(rows: Sequence[Sequence[int]], keep: np.ndarray, fill: int) -> torch.Tensor:
+    """int64 [B, W]: `fill` everywhere, each row's values in order at its `keep` positions (row-major:
+    `keep` holds exactly len(rows[i]) true entries in row i)."""
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(keep.sum()))
+    out = np.full(keep.shape, fill, dtype=np.int64)
+    out[keep] = flat
+    return torch.from_numpy(out)
 
 
 def _fit_prompt(ids: list[int], limit: int, mode: str, row: int) -> list[int]:
