@@ -108,21 +108,29 @@ def _reward(solution_str: str, **_) -> float:
     return float(sum(map(ord, solution_str)) % 3 == 0)
 
 
-def _trainer(tokenizers: dict, settings: HacpoSettings, workers: int) -> HacpoTrainer:
-    """A HacpoTrainer with stand-in agents, assembled as init_workers does (converters, jobs)."""
+def _trainer(tokenizers: dict, settings: HacpoSettings, workers: int, peer=None, reward=_reward,
+             **trainer_keys) -> HacpoTrainer:
+    """A HacpoTrainer with stand-in agents, assembled as init_workers does (converters, a recorded
+    `peer` to replay, jobs)."""
     t = object.__new__(HacpoTrainer)
-    t.config = OmegaConf.create({"trainer": {}, "data": {}})
+    t.config = OmegaConf.create({"trainer": trainer_keys, "data": {}})
     t.specs = [AgentSpec(index=i, name=n, model_path="-", rollout_n=G, n_gpus_per_node=1, nnodes=1)
                for i, n in enumerate(tokenizers)]
     t.hacpo, t.effective = settings, settings.effective()
     t.agents = {s.name: _Agent(s, tokenizers[s.name]) for s in t.specs}
     t.tracker = CapabilityTracker(len(t.specs))
-    t.verifier = Verifier(_reward, timeout_s=30.0)
+    t.verifier = Verifier(reward, timeout_s=30.0)
     t.global_step, t.agent_timing, t._worker_processes = 0, {}, None
     t._pool = cf.ThreadPoolExecutor(len(t.specs))
     t.exchanges = t._build_exchanges()
+    converters = dict(t.exchanges)
+    if peer is not None:
+        (learner,) = t.agents.values()
+        t.replay_peer = peer
+        t.replay_exchange = converters[(peer.key, learner.spec.name)] = t._converter(
+            peer.tokenizer, peer.eos_token_ids, learner)
     if workers:
-        t.exchange_jobs = ExchangeJobs(dict(t.exchanges), decode_responses, workers)
+        t.exchange_jobs = ExchangeJobs(converters, decode_responses, workers)
     return t
 
 
@@ -136,9 +144,10 @@ def _batch_dict(step: int) -> dict:
             "index": torch.arange(len(rows))}
 
 
-def _run(tokenizers: dict, settings: HacpoSettings, workers: int, steps: int = 2):
+def _run(tokenizers: dict, settings: HacpoSettings, workers: int, steps: int = 2, peer=None, reward=_reward,
+         **trainer_keys):
     """Learner batches and metrics of `steps` trainer steps."""
-    t = _trainer(tokenizers, settings, workers)
+    t = _trainer(tokenizers, settings, workers, peer, reward, **trainer_keys)
     batches, metrics = [], []
     try:
         for step in range(1, steps + 1):
@@ -171,9 +180,10 @@ SETTINGS = {
 }
 
 
-def _compare(tokenizers: dict, mode: str) -> None:
-    serial, serial_metrics = _run(tokenizers, SETTINGS[mode], workers=0)
-    overlapped, overlapped_metrics = _run(tokenizers, SETTINGS[mode], workers=2)
+def _compare(tokenizers: dict, mode: str, settings: HacpoSettings | None = None, peer=None, reward=_reward) -> None:
+    settings = settings or SETTINGS[mode]
+    serial, serial_metrics = _run(tokenizers, settings, workers=0, peer=peer, reward=reward)
+    overlapped, overlapped_metrics = _run(tokenizers, settings, workers=2, peer=peer, reward=reward)
     cross = 0
     for step, (a, b) in enumerate(zip(serial, overlapped)):
         for name in a:
@@ -200,6 +210,22 @@ def test_overlapped_learner_batches_equal_the_serial_ones_real_tokenizers():
     tokenizers = {"qwen": load_tokenizer("qwen3"), "llama": load_tokenizer("llama3")}
     for mode in ("hacpo", "graft"):
         _compare(tokenizers, mode)
+
+
+def test_replaying_a_recorded_peer_in_the_background_equals_the_serial_replay(tmp_path, char_tokenizer, pair_tokenizer):
+    """GRAFT against a recording: loaded, checked, decoded and converted in the background from the
+    moment the live agent's rollouts return; re-scored in the exchange phase as before."""
+    from recipe_hacpo.replay import RecordedPeer
+
+    _run({"a": char_tokenizer, "b": pair_tokenizer}, HacpoSettings(mode="graft"), workers=0,
+         record_rollouts_dir=str(tmp_path))
+    peer = RecordedPeer.__new__(RecordedPeer)
+    peer.dir, peer.name, peer.rollout_n, peer.key = str(tmp_path / "b"), "b", G, "recorded:b"
+    peer.tokenizer, peer.eos_token_ids = pair_tokenizer, [pair_tokenizer.eos_token_id]
+    # the receiver fails every prompt: it takes the recorded group wherever the peer's is mixed
+    receiver_fails = lambda solution_str, **_: 0.0 if solution_str.startswith("a says") else _reward(solution_str)  # noqa: E731
+    _compare({"a": char_tokenizer}, "graft", HacpoSettings(mode="graft", replay_peer=peer.dir), peer=peer,
+             reward=receiver_fails)
 
 
 def test_a_failed_conversion_names_its_pair_and_stops_the_step_before_the_update(char_tokenizer, pair_tokenizer):
