@@ -117,6 +117,9 @@ class ExchangeJobs:
         self.exchanges = exchanges
         self.decode = decode
         self.workers = int(workers)
+        # two pools: what scoring waits for (loading, checking, decoding) never queues behind the
+        # long re-tokenizations, which wait only on the first pool's jobs (no deadlock)
+        self._reading = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="hacpo-exchange-read")
         self._executor = cf.ThreadPoolExecutor(max_workers=self.workers, thread_name_prefix="hacpo-exchange")
         self._locks: dict[int, tuple[Any, threading.Lock]] = {}
         self._guard = threading.Lock()
@@ -143,6 +146,7 @@ class ExchangeJobs:
 
     def close(self) -> None:
         self.abandon()
+        self._reading.shutdown(wait=True)
         self._executor.shutdown(wait=True)
 
     def _lock(self, tokenizer: Any) -> threading.Lock:
@@ -172,23 +176,24 @@ class ExchangeJobs:
         """Submit the decoding of `source`'s rollouts and their conversion for each of `learners`.
 
         batch: the rollouts, or a function that loads them (run as the first job: a recorded peer).
-        Thread-safe (the trainer calls it from each agent's generate thread). A job waits only on
-        jobs submitted before it, so the pool's first-in-first-out order never deadlocks; no job
-        waits while it holds a tokenizer's lock.
+        Thread-safe (the trainer calls it from each agent's generate thread). Loading, checking and
+        decoding run on one pool, each waiting only on jobs submitted to it before (its
+        first-in-first-out order never deadlocks); conversions on the other, waiting on the first
+        pool's jobs only. No job waits while it holds a tokenizer's lock.
         """
         if callable(batch):
-            rollouts = self._executor.submit(batch)
+            rollouts = self._reading.submit(batch)
         else:
             rollouts = cf.Future()
             rollouts.set_result(batch)
-        fingerprint = self._executor.submit(lambda: _fingerprint(rollouts.result()))
+        fingerprint = self._reading.submit(lambda: _fingerprint(rollouts.result()))
 
         def decode() -> list[str]:
             rows = rollouts.result()
             with self._lock(source_tokenizer):
                 return self._timed(lambda: self.decode(rows, source_tokenizer))
 
-        entry = _Source(batch=rollouts, fingerprint=fingerprint, texts=self._executor.submit(decode))
+        entry = _Source(batch=rollouts, fingerprint=fingerprint, texts=self._reading.submit(decode))
         for learner in learners:
             exchange = self.exchanges[(source, learner)]
             entry.pairs[learner] = self._executor.submit(self._prepare, exchange, rollouts, entry.texts)
