@@ -49,8 +49,9 @@ from verl import DataProto
 
 from recipe_hacpo.exchange import Prepared, RolloutExchange
 
-_READ_TENSORS = ("prompts", "responses", "response_mask", "attention_mask")
-"""The source tensors `RolloutExchange.prepare` reads (and `convert` checks are unchanged)."""
+_READ_TENSORS = ("prompts", "responses", "response_mask", "attention_mask", "input_ids", "position_ids")
+"""The source tensors `RolloutExchange.prepare` reads (the shared path copies all six layout keys),
+which `convert` checks are unchanged."""
 _READ_NON_TENSOR = ("raw_prompt",)
 
 
