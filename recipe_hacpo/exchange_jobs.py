@@ -213,22 +213,24 @@ class ExchangeJobs:
     def started(self, source: str) -> bool:
         return source in self._sources
 
-    def _join(self, future: cf.Future, what: str) -> Any:
+    def _join(self, future: cf.Future, what: str, counted: bool = True) -> Any:
+        """The job's result; `counted`: its wait is the exchange's (`wait_s`), not scoring's."""
         start = time.perf_counter()
         try:
             return future.result()
         except Exception as exc:
             raise ExchangeJobError(f"exchange {what}, step {self.step}: {_one_line(exc)}") from exc
         finally:
-            self.wait_s += time.perf_counter() - start
+            if counted:
+                self.wait_s += time.perf_counter() - start
 
     def batch(self, source: str) -> DataProto:
         """`source`'s rollouts (waits for their loading when `start` got a loader)."""
-        return self._join(self._sources[source].batch, f"loading {source}'s rollouts")
+        return self._join(self._sources[source].batch, f"loading {source}'s rollouts", counted=False)
 
     def texts(self, source: str) -> list[str]:
         """The response text of `source`'s rollouts (waits for its decoding)."""
-        return self._join(self._sources[source].texts, f"decoding {source}'s responses")
+        return self._join(self._sources[source].texts, f"decoding {source}'s responses", counted=False)
 
     def convert(self, source: str, learner: str, batch: DataProto, rows: torch.Tensor | None = None) -> DataProto:
         """`exchanges[(source, learner)].convert(batch if rows is None else batch.select_idxs(rows))`,
@@ -236,7 +238,7 @@ class ExchangeJobs:
         batch as it is now (the one passed to `start`, with the fields added since)."""
         entry = self._sources[source]
         what = f"{source} → {learner}"
-        if batch is not self.batch(source):
+        if batch is not self._join(entry.batch, f"loading {source}'s rollouts"):
             raise ExchangeJobError(f"exchange {what}, step {self.step}: not the rollout batch the conversion started from")
         if not entry.checked:
             change = _changed(batch, self._join(entry.fingerprint, f"{source}'s inputs"))

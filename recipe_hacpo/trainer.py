@@ -187,10 +187,7 @@ class HacpoTrainer:
         self.agent_timing = {}
         phase = self._phase_timer(timing)
         prompts = self._prompt_batch(batch_dict)
-        jobs = self.exchange_jobs
-        if jobs is not None:
-            jobs.begin_step(self.global_step)
-        try:
+        with self._background_exchange(timing):  # conversions run from generate to the exchange
             with phase("gen"):
                 rollouts = self.generate(prompts)
             with phase("reward"):
@@ -202,20 +199,8 @@ class HacpoTrainer:
                 with phase("record"):
                     record_rollouts(str(record_dir), self.global_step, rollouts, self.specs)
             self.update_capabilities(rollouts, metrics)
-            waited = jobs.wait_s if jobs is not None else 0.0
             with phase("exchange"):
                 batches = self.exchange(rollouts, metrics)
-                if jobs is not None:
-                    jobs.check()  # a failed conversion the step did not ask for still stops it here
-        except BaseException:
-            if jobs is not None:
-                jobs.abandon()  # nothing of this step keeps running into the next
-            raise
-        if jobs is not None:
-            # what the exchange phase still waited for (timing_s/exchange is the whole phase);
-            # the conversions' own time, mostly hidden behind scoring and old log-probs
-            timing["exchange_wait"] = jobs.wait_s - waited
-            timing["exchange_background"] = jobs.busy_s
         with phase("adv"):
             self.advantages(batches, metrics)
         if any(a.use_ref for a in self.agents.values()):
@@ -228,6 +213,30 @@ class HacpoTrainer:
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
         metrics.update(self.agent_timing)
         return metrics
+
+    @contextmanager
+    def _background_exchange(self, timing: dict[str, float]):
+        """The step's background conversions (exchange_jobs.py) around generate … exchange.
+
+        On leaving: every job of the step is joined, so a failed conversion the step did not ask
+        for still stops it before the update; on a failure, what has not started is cancelled, so
+        nothing of this step runs into the next. Records `exchange_wait` (what the exchange phase
+        still waited for; `exchange` is the whole phase) and `exchange_background` (the jobs' own
+        seconds, mostly hidden behind scoring and old log-probs).
+        """
+        jobs = self.exchange_jobs
+        if jobs is None:
+            yield
+            return
+        jobs.begin_step(self.global_step)
+        try:
+            yield
+            jobs.check()
+        except BaseException:
+            jobs.abandon()
+            raise
+        timing["exchange_wait"] = jobs.wait_s
+        timing["exchange_background"] = jobs.busy_s
 
     def _phase_timer(self, timing: dict[str, float]):
         """`with phase(name):` times a phase into `timing` and first announces it (`_announce`)."""
