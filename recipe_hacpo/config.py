@@ -15,6 +15,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from recipe_hacpo import planner
 from recipe_hacpo.hacpo_settings import ConfigError, HacpoSettings
 from recipe_hacpo.placement import master_port_ranges
+from recipe_hacpo.rollout_check import RolloutCheck
 
 __all__ = ["AgentSpec", "ConfigError", "HacpoSettings", "agent_specs", "agent_verl_config", "hacpo_settings", "validate"]
 
@@ -122,6 +123,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
         _validate_replay(hacpo.replay_peer, specs)
 
     master_port_ranges(cfg.trainer.master_port_range, [s.name for s in specs])  # one line if unusable
+    _validate_rollout_check(cfg, specs)
     from recipe_hacpo.exchange_jobs import exchange_workers
 
     exchange_workers(cfg.trainer.get("exchange_workers"), len(specs))  # one line if not a thread count
@@ -133,6 +135,25 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     _validate_vllm_on_cpu(cfg, specs)
     _validate_lora(cfg, specs)
     return specs, hacpo
+
+
+def rollout_check(cfg: DictConfig) -> RolloutCheck:
+    """`trainer.rollout_check`, typed and checked (recipe_hacpo/rollout_check.py)."""
+    node = cfg.trainer.get("rollout_check")
+    return RolloutCheck.from_config(OmegaConf.to_container(node, resolve=True) if node is not None else None)
+
+
+def _validate_rollout_check(cfg: DictConfig, specs: list[AgentSpec]) -> None:
+    check = rollout_check(cfg)
+    if check.action == "off":
+        return
+    for s in specs:
+        if not bool(s.section(cfg, "rollout").get("calculate_log_probs", False)):
+            raise ConfigError(
+                f"agents[{s.index}] ({s.name}): actor_rollout_ref.rollout.calculate_log_probs=false, but "
+                f"trainer.rollout_check.action={check.action} compares the engine's log-probs with the trainer's "
+                "every step; set it true (or the action to off)"
+            )
 
 
 def _validate_lora(cfg: DictConfig, specs: list[AgentSpec]) -> None:

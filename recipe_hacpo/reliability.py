@@ -36,6 +36,11 @@ class AgentError(RuntimeError):
         self.agent = agent
 
 
+class RolloutMismatchError(AgentError):
+    """An agent's rollout engine does not sample from the policy being trained
+    (`trainer.rollout_check`, recipe_hacpo/rollout_check.py); raised before the update."""
+
+
 # ------------------------------------------------------------------------------ checkpoints
 
 

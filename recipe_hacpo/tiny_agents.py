@@ -15,6 +15,18 @@ Two genuinely different tokenizers exist so that cross-tokenizer exchange is exe
 
 Both are byte-level and lossless on NFC text, so any text one of them decodes the other
 encodes back exactly; their special-token strings and ids differ.
+
+A second family (`REAL_ARCH_KINDS`) has the architectures the presets train, at small sizes,
+with the real Qwen3 and Llama-3 tokenizers (`recipe_hacpo.real_tokenizers`, fetched into a cache):
+
+- "qwen3-tied" / "qwen3-untied": Qwen3ForCausalLM (q/k RMS norms, an explicit head_dim that is
+  not hidden / heads, rope_theta 1e6, GQA) with the embedding tied to the output layer as in
+  Qwen3-0.6B..4B, or untied as in Qwen3-8B; vocabulary 151,936 ids, more than the tokenizer's
+  151,669, as in the real configs;
+- "llama3p2-tied": LlamaForCausalLM as Llama-3.2-1B/3B (tied, GQA, rope_theta 500000 with
+  Llama-3's `rope_scaling`), 128,256 ids.
+
+Their head size is 32, which vLLM's CPU attention accepts, so both rollout paths can serve them.
 """
 
 from __future__ import annotations
@@ -38,6 +50,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from recipe_hacpo import real_tokenizers
 from recipe_hacpo.atomic_io import replace_dir, staging_dir
 
 SPEC_FILE = "hacpo_tiny_agent.json"
@@ -191,12 +204,14 @@ AGENT_KINDS: dict[str, TinyModelSpec] = {
     "qwen2-char-h32": TinyModelSpec("qwen2", "char", 64, 2, 2, 1, 128, True),
     "llama-pair-h32": TinyModelSpec("llama", "pair", 96, 2, 3, 1, 192, False),
     "qwen2-char-h32-medium": TinyModelSpec("qwen2", "char", 128, 2, 4, 2, 256, True),
+    # multi-head attention (as many KV heads as heads), untied: a cell of the vLLM tier's kind matrix
+    "llama-pair-h32-mha": TinyModelSpec("llama", "pair", 64, 2, 2, 2, 128, False),
 }
 
 # the agents of the demo, the hf-backed tests and the benchmark (every shipped warm start)
 DEFAULT_KINDS = ("qwen2-char-small", "qwen2-char-medium", "llama-pair-medium")
 # agents whose head size vLLM's CPU attention supports (`rollout.name=vllm` on CPU)
-VLLM_CPU_KINDS = ("qwen2-char-h32", "llama-pair-h32", "qwen2-char-h32-medium")
+VLLM_CPU_KINDS = ("qwen2-char-h32", "llama-pair-h32", "qwen2-char-h32-medium", "llama-pair-h32-mha")
 
 DEFAULT_SEEDS = {
     "qwen2-char-small": 0,
@@ -205,7 +220,110 @@ DEFAULT_SEEDS = {
     "qwen2-char-h32": 3,
     "llama-pair-h32": 4,
     "qwen2-char-h32-medium": 5,
+    "llama-pair-h32-mha": 9,
 }
+
+
+@dataclasses.dataclass(frozen=True)
+class RealArchSpec:
+    """A tiny agent of a preset's architecture with a real tokenizer; serialised into `SPEC_FILE`.
+
+    Every architecture field of the public config is kept (explicit head_dim, rope, norm eps,
+    tying, vocabulary size); only the widths and depth are small.
+    """
+
+    arch: str  # "qwen3" | "llama"
+    tokenizer: str  # key of real_tokenizers.REAL_TOKENIZERS
+    vocab_size: int  # the real config's, which may exceed len(tokenizer)
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope_scaling: tuple = ()  # (key, value) pairs of the config's rope_scaling; () for none
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim
+
+
+# Llama-3.1/3.2's frequency scaling of rope (their config.json's "rope_scaling").
+LLAMA3_ROPE_SCALING = (
+    ("factor", 32.0),
+    ("high_freq_factor", 4.0),
+    ("low_freq_factor", 1.0),
+    ("original_max_position_embeddings", 8192),
+    ("rope_type", "llama3"),
+)
+
+REAL_ARCH_KIND_SPECS: dict[str, RealArchSpec] = {
+    # Qwen3-0.6B-Base in miniature: 1024 hidden / 16 heads = 64 but head_dim 128; here 64 / 4 = 16, head_dim 32.
+    "qwen3-tied": RealArchSpec("qwen3", "qwen3", 151_936, 64, 2, 4, 2, 32, 128, True, 1_000_000.0, 1e-6, 32_768),
+    # Qwen3-8B-Base is the one preset model with a separate output layer.
+    "qwen3-untied": RealArchSpec("qwen3", "qwen3", 151_936, 64, 2, 4, 2, 32, 128, False, 1_000_000.0, 1e-6, 32_768),
+    # Llama-3.2-1B: head_dim = hidden / heads (2048 / 32), GQA, tied; here 64 / 2 = 32 with one KV head.
+    "llama3p2-tied": RealArchSpec(
+        "llama", "llama3", 128_256, 64, 2, 2, 1, 32, 128, True, 500_000.0, 1e-5, 131_072, LLAMA3_ROPE_SCALING
+    ),
+}
+
+# the presets' architectures with the real tokenizers (fetched on first use; see module docstring)
+REAL_ARCH_KINDS = tuple(REAL_ARCH_KIND_SPECS)
+
+ALL_KINDS: dict[str, TinyModelSpec | RealArchSpec] = {**AGENT_KINDS, **REAL_ARCH_KIND_SPECS}
+"""Every kind `build_agent` knows."""
+
+DEFAULT_SEEDS.update({"qwen3-tied": 6, "qwen3-untied": 7, "llama3p2-tied": 8})
+
+
+def head_size(kind: str) -> int:
+    """The attention head size of `kind` (what vLLM's CPU attention must accept)."""
+    spec = ALL_KINDS[kind]
+    return spec.head_dim if isinstance(spec, RealArchSpec) else spec.hidden_size // spec.num_heads
+
+
+def build_real_arch_model(spec: RealArchSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
+    """Random-init causal LM of a preset's architecture; float32, sdpa attention."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    common = dict(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_layers,
+        num_attention_heads=spec.num_heads,
+        num_key_value_heads=spec.num_kv_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        rms_norm_eps=spec.rms_norm_eps,
+        hidden_act="silu",
+        attention_bias=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        initializer_range=0.02,
+    )
+    rope = {"rope_type": "default", "rope_theta": spec.rope_theta}
+    if spec.rope_scaling:
+        rope = {**dict(spec.rope_scaling), "rope_theta": spec.rope_theta}
+    if spec.arch == "qwen3":
+        config, cls = Qwen3Config(**common, rope_parameters=rope), Qwen3ForCausalLM
+    elif spec.arch == "llama":
+        config, cls = LlamaConfig(**common, mlp_bias=False, rope_parameters=rope), LlamaForCausalLM
+    else:
+        raise ValueError(f"unknown arch {spec.arch!r}")
+    config.dtype = torch.float32
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = cls(config)
+    return model.to(torch.float32).eval()
 
 
 def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, seed: int) -> PreTrainedModel:
@@ -247,12 +365,28 @@ def _generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
     )
 
 
+def _real_generation_config(spec: RealArchSpec, tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
+    """As the real checkpoints' generation configs: Qwen3 stops on <|im_end|> and <|endoftext|>,
+    Llama-3.2 on <|end_of_text|>, <|eom_id|> (128008) and <|eot_id|>."""
+    if spec.arch == "qwen3":
+        eos = [tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<|endoftext|>")]
+    else:
+        eos = [tokenizer.convert_tokens_to_ids("<|end_of_text|>"), 128_008, tokenizer.eos_token_id]
+    return GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+
+
 # ---------------------------------------------------------------------------------------
 # agents on disk
 # ---------------------------------------------------------------------------------------
 
 
 def _spec_record(kind: str, seed: int) -> dict:
+    if kind in REAL_ARCH_KIND_SPECS:
+        spec = REAL_ARCH_KIND_SPECS[kind]
+        fields = {**dataclasses.asdict(spec), "rope_scaling": dict(spec.rope_scaling)}
+        # the tokenizer's identity: a changed tokenizer (new pinned files) rebuilds the agent
+        return {"kind": kind, "seed": int(seed), "version": _SPEC_VERSION, **fields,
+                "tokenizer_fingerprint": real_tokenizers.fingerprint(spec.tokenizer)}
     return {"kind": kind, "seed": int(seed), "version": _SPEC_VERSION, **dataclasses.asdict(AGENT_KINDS[kind])}
 
 
@@ -271,8 +405,8 @@ def build_agent(out_dir: str, kind: str, seed: int | None = None) -> str:
     as is. The agent is written to a temporary sibling and renamed into place, so concurrent
     builders (parallel test workers) never observe a half-written directory.
     """
-    if kind not in AGENT_KINDS:
-        raise ValueError(f"unknown agent kind {kind!r}; known: {sorted(AGENT_KINDS)}")
+    if kind not in ALL_KINDS:
+        raise ValueError(f"unknown agent kind {kind!r}; known: {sorted(ALL_KINDS)}")
     seed = DEFAULT_SEEDS.get(kind, 0) if seed is None else seed
     path = os.path.join(os.path.abspath(out_dir), kind)
     record = _spec_record(kind, seed)
@@ -280,10 +414,16 @@ def build_agent(out_dir: str, kind: str, seed: int | None = None) -> str:
         return path
 
     os.makedirs(out_dir, exist_ok=True)
-    spec = AGENT_KINDS[kind]
-    tokenizer = TOKENIZER_BUILDERS[spec.tokenizer]()
-    model = build_model(spec, tokenizer, seed)
-    model.generation_config = _generation_config(tokenizer)
+    spec = ALL_KINDS[kind]
+    if isinstance(spec, RealArchSpec):
+        # fetched (or failing with one line) before any model is built
+        tokenizer = real_tokenizers.load_tokenizer(spec.tokenizer)
+        model = build_real_arch_model(spec, tokenizer, seed)
+        model.generation_config = _real_generation_config(spec, tokenizer)
+    else:
+        tokenizer = TOKENIZER_BUILDERS[spec.tokenizer]()
+        model = build_model(spec, tokenizer, seed)
+        model.generation_config = _generation_config(tokenizer)
 
     with staging_dir(out_dir, prefix=f".{kind}.") as tmp:
         model.save_pretrained(tmp)
@@ -303,7 +443,7 @@ def build_default_agents(out_dir: str, kinds: Sequence[str] = DEFAULT_KINDS) -> 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="Build tiny heterogeneous HACPO agents offline.")
     parser.add_argument("--out", required=True, help="directory that receives one sub-directory per agent")
-    parser.add_argument("--kinds", nargs="+", default=list(DEFAULT_KINDS), choices=sorted(AGENT_KINDS))
+    parser.add_argument("--kinds", nargs="+", default=list(DEFAULT_KINDS), choices=sorted(ALL_KINDS))
     parser.add_argument("--seed", type=int, default=None, help="one seed for all kinds (default: per kind)")
     args = parser.parse_args(argv)
     for kind in args.kinds:

@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import math
 import os
 import shutil
+import sys
 import time
 import uuid
 from contextlib import contextmanager
@@ -36,7 +38,7 @@ from omegaconf import DictConfig, OmegaConf
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.agent_runtime import AgentRuntime
 from recipe_hacpo.atomic_io import atomic_write_text, replace_dir
-from recipe_hacpo.config import AgentSpec, HacpoSettings, agent_verl_config
+from recipe_hacpo.config import AgentSpec, HacpoSettings, agent_verl_config, rollout_check
 from recipe_hacpo.core_algos import (
     CapabilityTracker,
     capability_baseline,
@@ -61,6 +63,7 @@ from recipe_hacpo.reliability import (
     LATEST_FILE,
     STATE_FILE,
     AgentError,
+    RolloutMismatchError,
     CheckpointError,
     check_learner_batch,
     check_update_metrics,
@@ -68,6 +71,8 @@ from recipe_hacpo.reliability import (
     describe_failure,
     find_resume_checkpoint,
 )
+from recipe_hacpo.rollout_check import PATH as ROLLOUT_CHECK_PATH
+from recipe_hacpo.rollout_check import agent_precision, mismatch_message, mismatch_stats, violations
 from recipe_hacpo.replay import RecordedPeer, record_rollouts, replay_exchange
 from recipe_hacpo.scoring import Verifier, attach_rewards, decode_responses, load_reward_fn
 from verl import DataProto
@@ -99,6 +104,7 @@ class HacpoTrainer:
         self.tracker = CapabilityTracker(
             len(specs), window=hacpo.window, floor=hacpo.capability_floor, omega_clip=hacpo.omega_clip
         )
+        self.rollout_check = rollout_check(config)
         self.global_step = 0
         self.agent_timing: dict[str, float] = {}
         self._worker_processes: dict[str, list[str]] | None = None
@@ -316,17 +322,39 @@ class HacpoTrainer:
             lp = old[name]
             if not torch.isfinite(lp[batch.batch["response_mask"].bool()]).all():
                 raise FloatingPointError(f"agent {name!r}: non-finite old log-probs; stopping before any update")
-            if "rollout_log_probs" in batch.batch.keys():
-                # the engine's log-probs of the tokens it sampled against the actor's: apart
-                # from numerics they differ only when the last weight sync did not arrive
-                mask = batch.batch["response_mask"].bool()
-                diff = (batch.batch["rollout_log_probs"].float() - lp).abs()[mask]
-                if diff.numel():
-                    metrics[f"agent/{name}/rollout/log_prob_diff_max"] = float(diff.max())
-                    metrics[f"agent/{name}/rollout/log_prob_diff_mean"] = float(diff.mean())
             batch.batch["old_log_probs"] = lp
             batch.batch[K.SOURCE_LOG_PROB_MEAN] = mean_log_prob_per_response(lp, batch.batch["response_mask"])
             batch.batch[K.SOURCE_RESPONSE_LENGTH] = batch.batch["response_mask"].sum(-1).float()
+        self.check_rollout_policy(rollouts, metrics)
+
+    def check_rollout_policy(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
+        """The engine's log-probs of the tokens it sampled against the actor's old log-probs
+        (recipe_hacpo/rollout_check.py): apart from numerics they differ only when the engine
+        runs other weights than the actor. Out of `trainer.rollout_check`'s limits, the run
+        stops here, before any update, or warns."""
+        failures = []
+        for name, batch in rollouts.items():
+            if "rollout_log_probs" not in batch.batch.keys():
+                continue  # config.py refuses a checking action without the engine's log-probs
+            stats = mismatch_stats(batch.batch["rollout_log_probs"], batch.batch["old_log_probs"],
+                                   batch.batch["response_mask"])
+            if stats.tokens == 0:
+                continue
+            prefix = f"agent/{name}/rollout"
+            metrics[f"{prefix}/log_prob_diff_max"] = stats.max_abs
+            metrics[f"{prefix}/log_prob_diff_mean"] = stats.mean_abs
+            if not math.isnan(stats.pearson):
+                metrics[f"{prefix}/log_prob_pearson"] = stats.pearson
+            precision = agent_precision(self.agents[name].config)
+            violated = violations(stats, self.rollout_check.limits(precision), self.rollout_check.min_tokens)
+            metrics[f"{prefix}/policy_mismatch"] = float(bool(violated))
+            if violated and self.rollout_check.action != "off":
+                failures.append((name, mismatch_message(self.global_step, precision, stats, violated)))
+        if failures and self.rollout_check.action == "stop":
+            name, message = failures[0]
+            raise RolloutMismatchError(name, f"{message}; stopped before the update ({ROLLOUT_CHECK_PATH}.action=warn trains on)")
+        for name, message in failures:
+            print(f"WARN: agent {name!r}: {message}; training on ({ROLLOUT_CHECK_PATH}.action=warn)", file=sys.stderr, flush=True)
 
     def update_capabilities(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
         self.tracker.update([float(rollouts[s.name].batch[K.REWARD].mean()) for s in self.specs])

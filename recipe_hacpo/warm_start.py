@@ -78,7 +78,20 @@ def make_batch(prompts, answers, pad_id: int) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+# Above this vocabulary size the output layer is applied to the labelled positions only: the
+# real tokenizers' 128k-152k ids make full-sequence logits cost ten times the rest of the model.
+# The loss is the same mean over the same tokens; the tiny kinds' small vocabularies keep the
+# full-logits path their shipped warm starts were trained with.
+SPARSE_LOGITS_MIN_VOCAB = 4096
+
+
 def sft_loss(model, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    if model.config.vocab_size >= SPARSE_LOGITS_MIN_VOCAB:
+        hidden = model.get_decoder()(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+        labels = batch["labels"][:, 1:]
+        keep = labels != -100
+        logits = model.get_output_embeddings()(hidden.last_hidden_state[:, :-1][keep]).float()
+        return torch.nn.functional.cross_entropy(logits, labels[keep])
     logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
     shift_logits = logits[:, :-1].float()
     shift_labels = batch["labels"][:, 1:]
@@ -228,7 +241,7 @@ def warm_start(args: WarmStartArgs, out: str, *, log_every: int = 100, verbose: 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description="Supervised warm start of a tiny agent (loss on answer + EOS).")
-    p.add_argument("--kind", required=True, choices=sorted(tiny_agents.AGENT_KINDS))
+    p.add_argument("--kind", required=True, choices=sorted(tiny_agents.ALL_KINDS))
     p.add_argument("--task", default="add3", choices=sorted(synthetic.KINDS))
     p.add_argument("--steps", type=int, default=1000)
     p.add_argument("--out", required=True)

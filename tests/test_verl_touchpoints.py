@@ -306,3 +306,27 @@ def test_19_sgt_imitation_tokens_are_summed_over_the_engines_data_parallel_group
     for name in ("get_data_parallel_size", "get_data_parallel_group"):
         _contract(f"19 ({name})", callable(getattr(BaseEngine, name, None)) and callable(getattr(FSDPEngine, name, None)),
                   f"verl's engine API no longer has {name}()")
+
+
+def test_20_the_engines_model_and_tokenizer_and_the_vllm_servers_vocabulary_ban():
+    import inspect
+
+    from verl.workers.engine.fsdp import transformer_impl
+
+    source = inspect.getsource(transformer_impl.FSDPEngine)
+    _contract("20 (engine.module)", "self.module = module" in source, "FSDPEngine no longer keeps the model as self.module")
+    _contract("20 (engine.model_config)", "self.model_config = model_config" in source,
+              "FSDPEngine no longer keeps its HFModelConfig as self.model_config")
+    from verl.workers.config import HFModelConfig
+
+    _contract("20 (model_config.tokenizer)", "tokenizer" in HFModelConfig.__dataclass_fields__,
+              "HFModelConfig has no tokenizer field")
+    import os
+
+    import verl
+
+    # verl's vLLM package checks vLLM's version on import: its text is read instead
+    with open(os.path.join(os.path.dirname(verl.__file__), "workers", "rollout", "vllm_rollout", "utils.py")) as f:
+        utils_source = f.read()
+    _contract("20 (engine ban)", 'logits[..., vocab_size:] = float("-inf")' in utils_source,
+              "verl's vLLM server no longer bans the rows beyond len(tokenizer) as the recipe mirrors")

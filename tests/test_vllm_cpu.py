@@ -51,9 +51,11 @@ def test_environment_with_a_gpu_build_or_an_old_cpu_is_named(tmp_path, monkeypat
 
 
 def test_head_sizes_of_the_tiny_agents(tmp_path):
-    sizes = {kind: spec.hidden_size // spec.num_heads for kind, spec in tiny_agents.AGENT_KINDS.items()}
-    # the vLLM tier's agents are the ones vLLM's CPU attention takes
-    assert {k for k, s in sizes.items() if s in vllm_cpu.CPU_ATTENTION_HEAD_SIZES} == set(tiny_agents.VLLM_CPU_KINDS)
+    sizes = {kind: tiny_agents.head_size(kind) for kind in tiny_agents.ALL_KINDS}
+    # the vLLM tier's agents and the presets' architectures are the ones vLLM's CPU attention takes
+    vllm_sized = set(tiny_agents.VLLM_CPU_KINDS) | set(tiny_agents.REAL_ARCH_KINDS)
+    assert {k for k, s in sizes.items() if s in vllm_cpu.CPU_ATTENTION_HEAD_SIZES} == vllm_sized
+    assert sizes["qwen3-tied"] == 32 != tiny_agents.ALL_KINDS["qwen3-tied"].hidden_size // 4
     small = tiny_agents.build_agent(str(tmp_path), "qwen2-char-small")
     ok = tiny_agents.build_agent(str(tmp_path), "qwen2-char-h32")
     assert vllm_cpu.head_size(small) == 16 and vllm_cpu.head_size(ok) == 32

@@ -7,6 +7,7 @@ asked for; both live here, not in the package.
 - HACPO_TEST_FREEZE_ROLLOUT=AGENT: that agent's rollout servers get its weights once (the
   initial sync) and never again; its trainer side goes on as if every sync had happened. The
   negative control of the weight-sync check: the engine's log-probs must then stop matching.
+  Works for both rollout backends (vllm and hf).
 """
 
 from __future__ import annotations
@@ -38,6 +39,12 @@ def _freeze_rollout(agent: str) -> None:
 
     def frozen(self, step):
         if self.spec.name == agent and getattr(self, "_test_synced_once", False):
+            if self.config.actor_rollout_ref.rollout.name == "hf":
+                # the hf servers refuse to generate while marked asleep; they hold their weights
+                # through sleep on CPU, so waking them keeps the stale weights in place
+                import ray
+
+                ray.get([s.wake_up.remote() for r in self.llm_servers.get_replicas() for s in r.servers])
             self.weights_version = step
             self._rollout_awake = True
             return

@@ -12,8 +12,9 @@ Two differences from verl's worker, both by subclassing:
   mode sgt it also counts each mini-batch's imitated tokens over all ranks (the NLL term's
   token-mean denominator, `batch_keys.IMITATION_TOKENS`), and with share_selection=complementary
   the selected rows over all ranks (the HACPO loss's seq-mean denominator, `batch_keys.LOSS_ROWS`).
-Everything else (FSDP engine, old/ref log-probs, checkpoints, weight sync to the rollout
-engine) is verl's own.
+The actor's and the reference's output rows beyond the tokenizer's ids are banned as verl's vLLM
+engine bans them (workers/vocab_tail.py). Everything else (FSDP engine, old/ref log-probs,
+checkpoints, weight sync to the rollout engine) is verl's own.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from tensordict import TensorDict
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.hacpo_settings import HacpoSettings
 from recipe_hacpo.workers.hacpo_loss import graft_actor_loss, hacpo_actor_loss, sgt_actor_loss
+from recipe_hacpo.workers.vocab_tail import ban_vocab_tail
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import tensordict_utils as tu
 from verl.utils.config import omega_conf_to_dataclass
@@ -135,6 +137,11 @@ class HacpoActorRolloutRefWorker(ActorRolloutRefWorker):
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):
         super().init_model()
+        # the output rows beyond the tokenizer's ids, which verl's vLLM engine never samples,
+        # are banned in the actor's and the reference's scoring too (workers/vocab_tail.py)
+        for worker in (self.actor, self.ref):
+            if worker is not None:
+                ban_vocab_tail(worker.engine.module, worker.engine.model_config.tokenizer)
         if self._is_actor and self.hacpo_loss is not None:
             actor_config = omega_conf_to_dataclass(self.config.actor)
             # mode=graft trains with GRAFT's weighted PPO-clip loss, sgt with GRPO + λ·NLL, hacpo / naive with HACPO's

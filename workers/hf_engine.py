@@ -69,6 +69,8 @@ class HFEngine:
         self.model.generation_config = GenerationConfig()
 
         tokenizer = model_config.tokenizer
+        # as verl's vLLM server: output rows beyond the tokenizer's ids are never sampled
+        ban_vocab_tail(self.model, tokenizer)
         self.pad_token_id = _first_int(
             getattr(tokenizer, "pad_token_id", None),
             getattr(model_config.hf_config, "pad_token_id", None),

@@ -44,7 +44,10 @@ Three more behaviours, not about names (touchpoint 17 in `verl_touchpoints.py`):
   loading and leave an empty `weight` parameter, so verl's `model.load_weights` fails on the
   first sync. `HacpoVLLMWorkerExtension` (the vLLM worker extension this server names) loads
   each sync through vLLM's layer-wise reload, which restores the layer, loads, and repacks.
-  CUDA keeps the parameters, and there verl's own path runs unchanged.
+  CUDA keeps the parameters, and there verl's own path runs unchanged. After the reload every
+  embedding and output layer is re-processed (`repack_vocab_layers`): the reload never reaches a
+  tied output layer that is a module of its own (Llama's), whose CPU copy would otherwise stay the
+  one packed at engine start.
 - CPU engine settings (CPU only). vLLM refuses sleep mode on CPU, and its CPU generators
   cannot resume a seeded request whose prefill was split into chunks; on CPU the server turns
   sleep mode and cache freeing off, and chunked prefill off when requests are seeded. Every
@@ -277,8 +280,42 @@ def _build_extension_classes() -> dict[str, type]:
             receiver.receive_weights(on_bucket_received=on_bucket_received)
             for model, model_config in models:
                 finalize_layerwise_reload(model, model_config)
+                repack_vocab_layers(model)
 
     return _importable({"HacpoVLLMWorkerExtension": HacpoVLLMWorkerExtension})
+
+
+def repack_vocab_layers(model) -> int:
+    """Rebuild the CPU copies of every embedding and output layer from its current weight.
+
+    vLLM's CPU backend computes an output layer's logits from a copy of its weight packed when
+    weights are processed, not from the parameter. A tied output layer that is a module of its
+    own (Llama, Gemma, GPT-2: `ParallelLMHead.tie_weights` shares the embedding's parameter)
+    receives no tensor of its own in a layer-wise reload, so the reload never re-processes it
+    and the engine goes on sampling from the copy made at start-up (random under
+    `load_format=dummy`). Re-processing each vocabulary layer after the reload rebuilds that
+    copy from the weight the sync just wrote; for every other layer it repeats what the reload
+    did. Returns how many layers were repacked.
+    """
+    from vllm.model_executor.layers.vocab_parallel_embedding import (
+        UnquantizedEmbeddingMethod,
+        VocabParallelEmbedding,
+    )
+
+    repacked = 0
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        weight = getattr(module, "weight", None)
+        # a quantized method's processing need not be idempotent; only plain weights are repacked
+        if not isinstance(module, VocabParallelEmbedding) or not isinstance(method, UnquantizedEmbeddingMethod):
+            continue
+        if weight is None:
+            continue
+        if weight.is_meta or weight.numel() == 0:
+            continue
+        method.process_weights_after_loading(module)
+        repacked += 1
+    return repacked
 
 
 def _importable(classes: dict[str, type]) -> dict[str, type]:

@@ -57,6 +57,10 @@ class HFGenerator:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir)
         self.model.to(device=self.device, dtype=getattr(torch, dtype)).eval()
+        from recipe_hacpo.workers.vocab_tail import ban_vocab_tail
+
+        # output rows beyond the tokenizer's ids are never sampled, as in training (verl's engine)
+        ban_vocab_tail(self.model, self.tokenizer)
         from recipe_hacpo.exchange import eos_token_ids
 
         self.eos = eos_token_ids(model_dir, self.tokenizer)
@@ -132,6 +136,10 @@ class VLLMGenerator:
             enforce_eager=on_cpu,
             **_cpu_kv_cache(on_cpu),
         )
+        # output rows beyond the tokenizer's ids are never sampled, as in training (verl's engine
+        # bans them; workers/vocab_tail.py)
+        rows = int(self.llm.llm_engine.model_config.get_vocab_size())
+        self.allowed_token_ids = list(range(len(self.tokenizer))) if rows > len(self.tokenizer) else None
         self.opts = opts
 
     def generate(self, prompts, n, temperature, seed):
@@ -141,6 +149,7 @@ class VLLMGenerator:
             top_p=self.opts.top_p if temperature > 0 else 1.0,
             max_tokens=self.opts.max_new_tokens,
             seed=seed,
+            allowed_token_ids=self.allowed_token_ids,
         )
         inputs = [{"prompt_token_ids": _chat_ids(self.tokenizer, m, self.opts.chat_template_kwargs)} for m in prompts]
         too_long = [i for i, x in enumerate(inputs) if len(x["prompt_token_ids"]) > self.opts.max_prompt_length]
