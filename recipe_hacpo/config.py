@@ -124,6 +124,9 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
 
     master_port_ranges(cfg.trainer.master_port_range, [s.name for s in specs])  # one line if unusable
     _validate_rollout_check(cfg, specs)
+    from recipe_hacpo.exchange_jobs import exchange_workers
+
+    exchange_workers(cfg.trainer.get("exchange_workers"), len(specs))  # one line if not a thread count
     _validate_batches(cfg, specs)
     if hacpo.shares:
         _validate_mixed_mini_batches(cfg, specs)

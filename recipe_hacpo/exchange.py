@@ -36,8 +36,9 @@ Multi-modal rows (3-D position ids, `multi_modal_inputs`) are not supported.
 
 from __future__ import annotations
 
+import itertools
 import json
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -221,22 +222,28 @@ def pack_rows(
     `response_masks` defaults to all ones over each response.
     """
     bsz = len(prompt_ids)
-    prompts = torch.full((bsz, prompt_width), pad_id, dtype=torch.int64)
-    responses = torch.full((bsz, response_width), pad_id, dtype=torch.int64)
-    prompt_att = torch.zeros((bsz, prompt_width), dtype=torch.int64)
-    response_att = torch.zeros((bsz, response_width), dtype=torch.int64)
-    response_mask = torch.zeros((bsz, response_width), dtype=torch.int64)
-    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
-        if len(p) > prompt_width or len(r) > response_width:
-            raise ValueError(f"row {i}: {len(p)} prompt / {len(r)} response tokens exceed the widths")
-        if p:
-            prompts[i, prompt_width - len(p) :] = torch.as_tensor(p, dtype=torch.int64)
-            prompt_att[i, prompt_width - len(p) :] = 1
-        if r:
-            responses[i, : len(r)] = torch.as_tensor(r, dtype=torch.int64)
-            response_att[i, : len(r)] = 1
-            m = response_masks[i] if response_masks is not None else [1] * len(r)
-            response_mask[i, : len(r)] = torch.as_tensor(m, dtype=torch.int64)
+    prompt_lengths = np.fromiter(map(len, prompt_ids), dtype=np.int64, count=bsz)
+    response_lengths = np.fromiter(map(len, response_ids), dtype=np.int64, count=bsz)
+    too_long = np.flatnonzero((prompt_lengths > prompt_width) | (response_lengths > response_width))
+    if len(too_long):
+        i = int(too_long[0])
+        raise ValueError(f"row {i}: {len(prompt_ids[i])} prompt / {len(response_ids[i])} response tokens exceed the widths")
+    # one vectorised fill per tensor instead of a Python loop over rows: this runs on the exchange's
+    # background threads, where every line that holds the GIL slows the trainer's own thread
+    prompt_keep = np.arange(prompt_width) >= (prompt_width - prompt_lengths)[:, None]  # left-padded
+    response_keep = np.arange(response_width) < response_lengths[:, None]  # right-padded
+    prompts = _filled(prompt_ids, prompt_keep, pad_id)
+    responses = _filled(response_ids, response_keep, pad_id)
+    prompt_att = torch.from_numpy(prompt_keep.astype(np.int64))
+    response_att = torch.from_numpy(response_keep.astype(np.int64))
+    if response_masks is None:
+        response_mask = response_att.clone()
+    else:
+        mask_lengths = np.fromiter(map(len, response_masks), dtype=np.int64, count=bsz)
+        if (mask_lengths != response_lengths).any():
+            i = int(np.flatnonzero(mask_lengths != response_lengths)[0])
+            raise ValueError(f"row {i}: a response mask of {mask_lengths[i]} for {response_lengths[i]} response tokens")
+        response_mask = _filled(response_masks, response_keep, 0)
     attention_mask = torch.cat([prompt_att, response_att], dim=1)
     return {
         "prompts": prompts,
@@ -247,6 +254,15 @@ def pack_rows(
         # Same formula as verl.utils.model.compute_position_id_with_mask.
         "position_ids": torch.clip(torch.cumsum(attention_mask, dim=-1) - 1, min=0),
     }
+
+
+def _filled(rows: Sequence[Sequence[int]], keep: np.ndarray, fill: int) -> torch.Tensor:
+    """int64 [B, W]: `fill` everywhere, each row's values in order at its `keep` positions (row-major:
+    `keep` holds exactly len(rows[i]) true entries in row i)."""
+    flat = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(keep.sum()))
+    out = np.full(keep.shape, fill, dtype=np.int64)
+    out[keep] = flat
+    return torch.from_numpy(out)
 
 
 def _fit_prompt(ids: list[int], limit: int, mode: str, row: int) -> list[int]:
@@ -261,6 +277,19 @@ def _fit_prompt(ids: list[int], limit: int, mode: str, row: int) -> list[int]:
 # ---------------------------------------------------------------------------------------
 # the exchange
 # ---------------------------------------------------------------------------------------
+
+
+class Prepared(NamedTuple):
+    """One batch's learner-side token layout (the six `LAYOUT_KEYS`) and its FINISHED (bool [B]),
+    before the per-row fields are attached (`RolloutExchange.finish`)."""
+
+    layout: dict[str, torch.Tensor]
+    finished: np.ndarray
+
+    def select(self, rows: torch.Tensor | Sequence[int]) -> "Prepared":
+        """The same rows as `DataProto.select_idxs(rows)` takes of the source batch."""
+        index = torch.as_tensor(rows, dtype=torch.long)
+        return Prepared({k: v[index] for k, v in self.layout.items()}, self.finished[index.numpy()])
 
 
 class RolloutExchange:
@@ -369,20 +398,41 @@ class RolloutExchange:
         return self.convert(batch)
 
     def convert(self, batch: DataProto) -> DataProto:
-        """The learner-side DataProto for `batch` (a source rollout batch); see module doc."""
+        """The learner-side DataProto for `batch` (a source rollout batch); see module doc.
+
+        Two halves, which `exchange_jobs.ExchangeJobs` runs apart: `prepare` (the token work, from
+        the token tensors and the text only) and `finish` (the per-row fields, whatever the batch
+        carries by then). `convert(b)` is `finish(b, prepare(b))`.
+        """
+        return self.finish(batch, self.prepare(batch))
+
+    def prepare(self, batch: DataProto, texts: Sequence[str] | None = None) -> "Prepared":
+        """The learner's token layout and FINISHED of every row of `batch`.
+
+        Reads only `prompts`, `responses`, `response_mask`, `attention_mask`, the source's
+        `FINISHED` when set, `raw_prompt` and the response text: `texts` when given, else
+        `RESPONSE_TEXT`, else decoded here. Every row is converted on its own, so preparing a
+        whole batch and selecting rows (`Prepared.select`) equals preparing the selected rows.
+        """
         finished = response_finished(batch, self.source_eos_ids)
         if self.shared:
             layout, done = self._relayout_shared(batch, finished)
         else:
-            layout, done = self._retokenize(batch, finished)
+            layout, done = self._retokenize(batch, finished, texts)
+        return Prepared(layout, done)
 
-        tensors = dict(layout)
+    def finish(self, batch: DataProto, prepared: "Prepared") -> DataProto:
+        """The learner-side DataProto: `prepared`'s layout, then every per-row (1-D) tensor and
+        every non-tensor field `batch` holds now (row-aligned), FINISHED the learner's."""
+        if len(prepared.finished) != len(batch):
+            raise ValueError(f"{len(prepared.finished)} prepared rows for a batch of {len(batch)}")
+        tensors = dict(prepared.layout)
         for key, value in batch.batch.items():
             # Per-row values travel; per-token ones are tied to source positions.
             if key not in LAYOUT_KEYS and isinstance(value, torch.Tensor) and value.dim() == 1:
                 tensors[key] = value.clone()
         non_tensor = {key: np.array(value, copy=True) for key, value in batch.non_tensor_batch.items()}
-        non_tensor[batch_keys.FINISHED] = np.array(done.tolist(), dtype=object)
+        non_tensor[batch_keys.FINISHED] = np.array(prepared.finished.tolist(), dtype=object)
         return DataProto(
             batch=TensorDict(tensors, batch_size=[len(batch)]),
             non_tensor_batch=non_tensor,
@@ -419,11 +469,17 @@ class RolloutExchange:
         )
         return layout, done
 
-    def _retokenize(self, batch: DataProto, finished: np.ndarray) -> tuple[dict[str, torch.Tensor], np.ndarray]:
+    def _retokenize(
+        self, batch: DataProto, finished: np.ndarray, texts: Sequence[str] | None = None
+    ) -> tuple[dict[str, torch.Tensor], np.ndarray]:
         """Different tokenizers: text of the response, learner's template for the prompt."""
         if "raw_prompt" not in batch.non_tensor_batch:
             raise KeyError("re-tokenization needs the chat messages in non_tensor_batch['raw_prompt']")
-        if batch_keys.RESPONSE_TEXT in batch.non_tensor_batch:
+        if texts is not None:
+            if len(texts) != len(batch):
+                raise ValueError(f"{len(texts)} response texts for a batch of {len(batch)}")
+            texts = [str(t) for t in texts]
+        elif batch_keys.RESPONSE_TEXT in batch.non_tensor_batch:
             texts = [str(t) for t in batch.non_tensor_batch[batch_keys.RESPONSE_TEXT]]
         else:
             texts = decode_responses(batch, self.source_tokenizer)

@@ -33,6 +33,7 @@ import torch
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.exchange import mean_log_prob_per_response
+from recipe_hacpo.exchange_jobs import convert_peer_rows
 from recipe_hacpo.graft import compatibility_weight, graft_selection, grpo_advantage
 from recipe_hacpo.sgt import sgt_selection
 from verl import DataProto
@@ -116,7 +117,7 @@ def graft_exchange(trainer: "HacpoTrainer", rollouts: dict[str, DataProto], metr
     sizes = torch.as_tensor([s.rollout_n for s in specs], dtype=torch.long)
     source_of = graft_selection(correct, sizes, balance=trainer.hacpo.graft_balance)  # [N_R, Q]
     batches = graft_batches(rollouts, names, source_of, uids, {s.name: s.index for s in specs},
-                            lambda source, learner, part: trainer.exchanges[(source, learner)].convert(part))
+                            lambda source, learner, rows: convert_peer_rows(trainer, source, learner, rollouts[source], rows))
     for learner in specs:
         metrics[f"agent/{learner.name}/graft/groups_received"] = float((source_of[learner.index] >= 0).sum())
         metrics[f"agent/{learner.name}/graft/groups_given"] = float((source_of == learner.index).sum())
@@ -139,11 +140,11 @@ def graft_batches(
     source_of: torch.Tensor,
     uids: list[str],
     learners: dict[str, int],
-    convert: Callable[[str, str, DataProto], DataProto],
+    convert: Callable[[str, str, torch.Tensor], DataProto],
 ) -> dict[str, DataProto]:
     """Each learner's batch: its own rows of the prompts it keeps, then each source's whole groups of
     the prompts `source_of` [N_R, Q] gives it from that source (index into `names`), re-tokenized by
-    `convert(source name, learner name, rows)`."""
+    `convert(source name, learner name, row numbers of rollouts[source])`."""
     from recipe_hacpo.trainer import _concat_rows, _tag
 
     prompt_of = {u: i for i, u in enumerate(uids)}
@@ -160,8 +161,7 @@ def graft_batches(
         for index, source in enumerate(names):
             rows = rows_for(source, receiver, index) if source != learner else own[:0]
             if len(rows):
-                parts.append(_tag(convert(source, learner, rollouts[source].select_idxs(rows)), source=index,
-                                  cross=True, omega=1.0))
+                parts.append(_tag(convert(source, learner, rows), source=index, cross=True, omega=1.0))
         # a receiver may have no own group left, never no group at all (every prompt has one)
         batches[learner] = _concat_rows([p for p in parts if len(p)])
     return batches
@@ -273,9 +273,7 @@ def sgt_exchange(trainer: "HacpoTrainer", rollouts: dict[str, DataProto], metric
             here = torch.nonzero(source[slot] == src.index).flatten() if src.name != learner.name else slot[:0]
             if not len(here):
                 continue
-            converted = trainer.exchanges[(src.name, learner.name)].convert(
-                rollouts[src.name].select_idxs(row[slot[here]])
-            )
+            converted = convert_peer_rows(trainer, src.name, learner.name, rollouts[src.name], row[slot[here]])
             parts.append(_imitation_slots(_tag(converted, source=src.index, cross=True, omega=1.0), picks[here] >= 0))
         batch = _concat_rows(parts)
         batches[learner.name] = batch

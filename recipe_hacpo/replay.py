@@ -131,13 +131,18 @@ class RecordedPeer:
         self.eos_token_ids = eos_token_ids(local, self.tokenizer)
         self.key = f"recorded:{self.name}"  # its place among the step's rollouts, apart from any live agent
 
-    def rollouts(self, step: int, live: DataProto, verifier) -> DataProto:
-        """The recording of `step`, checked against the live step's prompts (R1) and re-scored (R2)."""
+    def load(self, step: int, live: DataProto) -> DataProto:
+        """The recording of `step`, checked against the live step's prompts (R1), not yet scored."""
         path = step_file(self.dir, step)
         if not os.path.isfile(path):
             raise FileNotFoundError(f"algorithm.hacpo.replay_peer: no recording of step {step} ({path})")
         recorded = DataProto.load_from_disk(path)
         check_same_prompts(recorded, live, f"algorithm.hacpo.replay_peer, step {step} ({path})")
+        return recorded
+
+    def rollouts(self, step: int, live: DataProto, verifier) -> DataProto:
+        """The recording of `step`, checked against the live step's prompts (R1) and re-scored (R2)."""
+        recorded = self.load(step, live)
         attach_rewards(recorded, verifier.score(recorded, self.tokenizer))
         return recorded
 
@@ -149,15 +154,26 @@ def replay_exchange(trainer: "HacpoTrainer", rollouts: dict[str, DataProto], met
 
     peer: RecordedPeer = trainer.replay_peer
     (learner,) = trainer.specs
-    recorded = peer.rollouts(trainer.global_step, rollouts[learner.name], trainer.verifier)
+    jobs = getattr(trainer, "exchange_jobs", None)
+    if jobs is not None and jobs.started(peer.key):
+        # loaded, checked, decoded and converted in the background since the live rollouts returned
+        recorded = jobs.batch(peer.key)
+        attach_rewards(recorded, trainer.verifier.score(recorded, peer.tokenizer, texts=jobs.texts(peer.key)))
+    else:
+        recorded = peer.rollouts(trainer.global_step, rollouts[learner.name], trainer.verifier)
     sources = {learner.name: rollouts[learner.name], peer.key: recorded}
     with_group_advantages(sources)
     uids, correct = correct_counts(sources, [learner.name, peer.key])
     taken = replay_selection(correct, peer.rollout_n)
     source_of = torch.where(taken, 1, -1).unsqueeze(0)  # [N_R = 1, Q]: 1 = the recorded peer
     converter: RolloutExchange = trainer.replay_exchange
-    batches = graft_batches(sources, [learner.name, peer.key], source_of, uids, {learner.name: 0},
-                            lambda source, name, part: converter.convert(part))
+
+    def convert(source: str, name: str, rows: torch.Tensor) -> DataProto:
+        if jobs is not None and jobs.started(source):
+            return jobs.convert(source, name, sources[source], rows)
+        return converter.convert(sources[source].select_idxs(rows))
+
+    batches = graft_batches(sources, [learner.name, peer.key], source_of, uids, {learner.name: 0}, convert)
     metrics[f"agent/{learner.name}/graft/groups_received"] = float(taken.sum())
     metrics[f"agent/{learner.name}/replay/reward_mean"] = float(recorded.batch[K.REWARD].mean())
     weigh_grafted_rows(trainer, batches, metrics)

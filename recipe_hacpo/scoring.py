@@ -97,9 +97,16 @@ class Verifier:
     def close(self) -> None:
         """Nothing to release: abandoned calls run on daemon threads."""
 
-    def score(self, batch, tokenizer) -> RewardOutcome:
-        """Score a rollout `DataProto` (verl layout: `responses`, `response_mask`)."""
-        texts = decode_responses(batch, tokenizer)
+    def score(self, batch, tokenizer, texts: list[str] | None = None) -> RewardOutcome:
+        """Score a rollout `DataProto` (verl layout: `responses`, `response_mask`).
+
+        texts: `decode_responses(batch, tokenizer)` when already decoded (the trainer decodes in
+        the background as the rollouts return, exchange_jobs.py); decoded here otherwise.
+        """
+        if texts is None:
+            texts = decode_responses(batch, tokenizer)
+        elif len(texts) != len(batch):
+            raise ValueError(f"{len(texts)} decoded responses for a batch of {len(batch)}")
         nt = batch.non_tensor_batch
         calls = []
         for i, text in enumerate(texts):

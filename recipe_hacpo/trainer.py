@@ -7,6 +7,8 @@
         3 old_log_probs   each agent scores its own responses (GSPO term, source term of §4)
           capabilities    P̂ update with this step's mean rewards (§1)
         4 exchange        learner batch = own rows + peers' rows re-tokenized for the learner
+                          (the token work started in the background as each agent's rollouts
+                          returned, exchange_jobs.py; this phase joins it)
           advantages      capability-aware group advantage per learner (§2)
           update          mini-batch updates with the HACPO loss (§3–§6)
         5 sync_weights    trained weights to each agent's rollout engine
@@ -44,6 +46,7 @@ from recipe_hacpo.core_algos import (
     compute_hacpo_advantage,
 )
 from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
+from recipe_hacpo.exchange_jobs import ExchangeJobs, convert_peer_rows, exchange_workers
 from recipe_hacpo.graft_trainer import (
     complementary_sources,
     graft_advantages,
@@ -71,7 +74,7 @@ from recipe_hacpo.reliability import (
 from recipe_hacpo.rollout_check import PATH as ROLLOUT_CHECK_PATH
 from recipe_hacpo.rollout_check import agent_precision, mismatch_message, mismatch_stats, violations
 from recipe_hacpo.replay import RecordedPeer, record_rollouts, replay_exchange
-from recipe_hacpo.scoring import Verifier, attach_rewards, load_reward_fn
+from recipe_hacpo.scoring import Verifier, attach_rewards, decode_responses, load_reward_fn
 from verl import DataProto
 from verl.utils.profiler.performance import simple_timer
 
@@ -81,6 +84,10 @@ _LEARNER_NON_TENSOR = ("uid", "data_source", "reward_model", "raw_prompt", "extr
 
 
 class HacpoTrainer:
+    # the background conversions (exchange_jobs.py); None: every conversion runs in the exchange
+    # phase (trainer.exchange_workers=0, and trainers assembled without init_workers)
+    exchange_jobs: ExchangeJobs | None = None
+
     def __init__(self, config: DictConfig, specs: list[AgentSpec], hacpo: HacpoSettings) -> None:
         self.config = config
         self.specs = specs
@@ -118,10 +125,15 @@ class HacpoTrainer:
         # starting); agents on the shared pool build in turn; a failure names its agent
         self._each(lambda a: a.build(self.hacpo, shared if a.spec.uses_shared_pool else None))
         self.exchanges = self._build_exchanges()
+        converters = dict(self.exchanges)
         if self.hacpo.replay_peer is not None:  # GRAFT against a recorded peer (replay.py); one live agent
             self.replay_peer = RecordedPeer(self.hacpo.replay_peer)
             (learner,) = self.agents.values()
             self.replay_exchange = self._converter(self.replay_peer.tokenizer, self.replay_peer.eos_token_ids, learner)
+            converters[(self.replay_peer.key, learner.spec.name)] = self.replay_exchange
+        workers = exchange_workers(self.config.trainer.get("exchange_workers"), len(self.specs))
+        if workers:
+            self.exchange_jobs = ExchangeJobs(converters, decode_responses, workers)
 
     def _shared_pool(self):
         if not any(s.uses_shared_pool for s in self.specs):
@@ -181,19 +193,20 @@ class HacpoTrainer:
         self.agent_timing = {}
         phase = self._phase_timer(timing)
         prompts = self._prompt_batch(batch_dict)
-        with phase("gen"):
-            rollouts = self.generate(prompts)
-        with phase("reward"):
-            self.score(rollouts, metrics)
-        with phase("old_log_prob"):
-            self.old_log_probs(rollouts, metrics)
-        record_dir = self.config.trainer.get("record_rollouts_dir")
-        if record_dir:  # for a later run that replays one of these agents (replay.py)
-            with phase("record"):
-                record_rollouts(str(record_dir), self.global_step, rollouts, self.specs)
-        self.update_capabilities(rollouts, metrics)
-        with phase("exchange"):
-            batches = self.exchange(rollouts, metrics)
+        with self._background_exchange(timing):  # conversions run from generate to the exchange
+            with phase("gen"):
+                rollouts = self.generate(prompts)
+            with phase("reward"):
+                self.score(rollouts, metrics)
+            with phase("old_log_prob"):
+                self.old_log_probs(rollouts, metrics)
+            record_dir = self.config.trainer.get("record_rollouts_dir")
+            if record_dir:  # for a later run that replays one of these agents (replay.py)
+                with phase("record"):
+                    record_rollouts(str(record_dir), self.global_step, rollouts, self.specs)
+            self.update_capabilities(rollouts, metrics)
+            with phase("exchange"):
+                batches = self.exchange(rollouts, metrics)
         with phase("adv"):
             self.advantages(batches, metrics)
         if any(a.use_ref for a in self.agents.values()):
@@ -206,6 +219,30 @@ class HacpoTrainer:
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
         metrics.update(self.agent_timing)
         return metrics
+
+    @contextmanager
+    def _background_exchange(self, timing: dict[str, float]):
+        """The step's background conversions (exchange_jobs.py) around generate … exchange.
+
+        On leaving: every job of the step is joined, so a failed conversion the step did not ask
+        for still stops it before the update; on a failure, what has not started is cancelled, so
+        nothing of this step runs into the next. Records `exchange_wait` (what the exchange phase
+        still waited for; `exchange` is the whole phase) and `exchange_background` (the jobs' own
+        seconds, mostly hidden behind scoring and old log-probs).
+        """
+        jobs = self.exchange_jobs
+        if jobs is None:
+            yield
+            return
+        jobs.begin_step(self.global_step)
+        try:
+            yield
+            jobs.check()
+        except BaseException:
+            jobs.abandon()
+            raise
+        timing["exchange_wait"] = jobs.wait_s
+        timing["exchange_background"] = jobs.busy_s
 
     def _phase_timer(self, timing: dict[str, float]):
         """`with phase(name):` times a phase into `timing` and first announces it (`_announce`)."""
@@ -243,12 +280,33 @@ class HacpoTrainer:
 
     # ------------------------------------------------------------------ 1 generate
     def generate(self, prompts: DataProto) -> dict[str, DataProto]:
-        return self._each(lambda a: a.generate(prompts, step=self.global_step), phase="gen")
+        return self._each(lambda a: self._rollouts_ready(a, a.generate(prompts, step=self.global_step)), phase="gen")
+
+    def _rollouts_ready(self, agent: AgentRuntime, batch: DataProto) -> DataProto:
+        """Start, in the background, the decoding of `agent`'s responses and their conversion for
+        every learner that will take them this step (exchange_jobs.py)."""
+        jobs = self.exchange_jobs
+        if jobs is not None:
+            jobs.start(agent.spec.name, batch, self._peer_learners(agent.spec.name), agent.tokenizer)
+            if self.hacpo.replay_peer is not None:  # the recording of this step, checked against these prompts
+                peer, step = self.replay_peer, self.global_step
+                jobs.start(peer.key, lambda: peer.load(step, batch), [agent.spec.name], peer.tokenizer)
+        return batch
+
+    def _peer_learners(self, source: str) -> list[str]:
+        """The learners whose batches may hold `source`'s rows re-tokenized: every peer when the
+        mode shares (hacpo / naive, graft, sgt), none otherwise or against a recording."""
+        if not self.hacpo.shares or self.hacpo.replay_peer is not None:
+            return []
+        return [s.name for s in self.specs if s.name != source]
 
     # ------------------------------------------------------------------ 2 score
     def score(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
+        jobs = self.exchange_jobs
         for name, batch in rollouts.items():
-            outcome = self.verifier.score(batch, self.agents[name].tokenizer)
+            # the text decoded in the background as the rollouts returned (the same function)
+            texts = jobs.texts(name) if jobs is not None and jobs.started(name) else None
+            outcome = self.verifier.score(batch, self.agents[name].tokenizer, texts=texts)
             attach_rewards(batch, outcome)
             prefix = f"agent/{name}"
             metrics[f"{prefix}/reward/mean"] = float(outcome.rewards.mean())
@@ -327,7 +385,7 @@ class HacpoTrainer:
                 for src in self.specs:
                     if src.name == learner.name:
                         continue
-                    converted = self.exchanges[(src.name, learner.name)].convert(rollouts[src.name])
+                    converted = convert_peer_rows(self, src.name, learner.name, rollouts[src.name])
                     omega = capability_ratio(caps, src.index, learner.index, self.hacpo.omega_clip)
                     if not self.effective.discrepancy_coefficient:
                         omega = 1.0
