@@ -129,14 +129,17 @@ def run(cfg: DictConfig) -> dict:
     verbose = _apply_verbosity(cfg)
     specs, hacpo = prepare(cfg)
     PreemptionSettings.from_config(cfg.trainer)  # a bad trainer.preemption key fails before Ray
-    # from here on SIGUSR1 / SIGTERM ask for a stop at the next safe point; a local Ray's
-    # processes start with SIGUSR1 blocked, so only this process acts on it
+    # from here on SIGUSR1 / SIGTERM ask for a stop at the next safe point
     signals = StopSignals().install()
     # the dataset keeps raw chat messages; each agent renders them with its own template
     tokenizer = hf_tokenizer(specs[0].model_path)
     train_loader, val_loader, steps = build_dataloaders(cfg, tokenizer)
+    # a local Ray's processes start with SIGUSR1 blocked, so only this process acts on it (a
+    # SIGUSR1 meanwhile waits for the block to lift). ray.init installs Ray's own SIGTERM handler
+    # in this process (it logs and aborts): ours go back on top of it
     with shield_children():
         start_ray(cfg)
+        signals.install()
     trainer = HacpoTrainer(cfg, specs, hacpo)
     trainer.stop_signals = signals
     trainer.started_at = started

@@ -115,8 +115,10 @@ class StopSignals:
     _previous: dict[int, object] = field(default_factory=dict)
 
     def install(self) -> "StopSignals":
+        """Install (or re-install, over a handler something else put in their place) the handlers."""
         for signum in self.signums:
-            self._previous[signum] = signal.signal(signum, self._handle)
+            previous = signal.signal(signum, self._handle)
+            self._previous.setdefault(signum, previous)
         return self
 
     def restore(self) -> None:
@@ -231,9 +233,12 @@ class StopClock:
         if signal_seen is not None:
             return f"{signal_seen[0]} received"
         deadline = self.deadline(None)
-        if deadline is None or self.slowest_step_s is None:
+        if deadline is None:
             return None
-        left = deadline - self.clock()
+        left = max(deadline - self.clock(), 0.0)
+        if self.slowest_step_s is None:
+            # no step timed yet: stop only when the margin itself is no longer there
+            return f"{left:.0f} s left before the deadline, under the margin" if left < self.settings.margin_s else None
         need = self.slowest_step_s + self.checkpoint_estimate() + self.settings.margin_s
         if left < need:
             return (f"{left:.0f} s left before the deadline, under the slowest step ({self.slowest_step_s:.0f} s) "
@@ -258,7 +263,7 @@ class StopClock:
             return "finish", f"its update has begun ({next_phase} next); a half-updated step cannot be rolled back"
         if self.slowest_step_s is None:
             return "abandon", "no step of this run has finished yet, so nothing tells how long this one needs"
-        left = (deadline - self.clock()) if deadline is not None else float("inf")
+        left = max(deadline - self.clock(), 0.0) if deadline is not None else float("inf")
         rest = max(self.slowest_step_s - step_elapsed_s, 0.0)
         need = rest + self.checkpoint_estimate() + self.settings.margin_s
         if left >= need:

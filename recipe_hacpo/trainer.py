@@ -540,6 +540,7 @@ class HacpoTrainer:
         self._announce("stopped")
         record = self.preemption.record_file
         if record:
+            os.makedirs(os.path.dirname(os.path.abspath(record)), exist_ok=True)
             atomic_write_text(record, json.dumps({
                 "resumed_from": self.resumed_from, "step": step, "reason": reason,
                 "signals": [name for name, _ in self.stop_signals.received],

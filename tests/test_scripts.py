@@ -481,10 +481,11 @@ def test_wait_for_ray_polls_until_every_gpu_joined():
 
 # a `python` that logs like the other stand-ins; for the trainer it writes the stop record the
 # trainer would and exits with STANDIN_TRAINER_STATUS, or, with STANDIN_WAIT_USR1 set, becomes a
-# Python process that touches that file, waits for SIGUSR1 (Python can handle a signal that its
-# parent ignored, as the trainer does; bash cannot trap one) and exits 75 (9 without one)
+# Python process that touches that file, waits for SIGUSR1 or SIGTERM (Python can handle a signal
+# that its parent ignored, as the trainer does; bash cannot trap one) and exits 75 (9 without one)
 WAIT_USR1 = (
     "import json, signal, sys, time; got = []; signal.signal(signal.SIGUSR1, lambda *a: got.append(1)); "
+    "signal.signal(signal.SIGTERM, lambda *a: got.append(1)); "
     "open(sys.argv[1], 'w').close(); [time.sleep(0.05) for _ in range(200) if not got]; "
     "got and open(sys.argv[2], 'w').write(json.dumps({'resumed_from': int(sys.argv[3]), 'step': int(sys.argv[4])})); "
     "sys.exit(75 if got else 9)"
@@ -580,7 +581,8 @@ def test_slurm_other_exit_statuses_are_not_requeued(resumable):
         assert proc.returncode == int(status) and _requeues(calls) == []
 
 
-def test_slurm_hands_sigusr1_to_the_trainer_and_requeues(resumable, tmp_path):
+@pytest.mark.parametrize("signame", ["SIGUSR1", "SIGTERM"])
+def test_slurm_hands_the_signal_to_the_trainer_and_requeues_only_on_a_stop_request(resumable, tmp_path, signame):
     import signal
     import threading
     import time
@@ -600,9 +602,14 @@ def test_slurm_hands_sigusr1_to_the_trainer_and_requeues(resumable, tmp_path):
     # the batch shell is the `bash hacpo.slurm` process: `--signal=B:USR1@<secs>` signals it alone
     shells = subprocess.run(["pgrep", "-f", f"bash {SLURM}"], capture_output=True, text=True).stdout.split()
     assert len(shells) == 1, shells
-    os.kill(int(shells[0]), signal.SIGUSR1)
+    os.kill(int(shells[0]), getattr(signal, signame))
     thread.join(timeout=60)
     proc, calls = result["out"]
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "hacpo: SIGUSR1 received; handing it to the trainer" in proc.stdout
-    assert _requeues(calls) == [["scontrol", "requeue", "4242"]]
+    assert f"hacpo: {signame} received; handing it to the trainer" in proc.stdout
+    if signame == "SIGUSR1":
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert _requeues(calls) == [["scontrol", "requeue", "4242"]]
+    else:
+        # Slurm's SIGTERM: the job is ending (scancel, time limit, preemption); Slurm decides on a requeue
+        assert proc.returncode == 75 and _requeues(calls) == []
+        assert "hacpo: not requeued: SIGTERM from Slurm: the job is ending" in proc.stdout
