@@ -68,7 +68,7 @@ def agents(warm_agent_paths) -> str:
 
 
 def submit(cluster: SlurmCluster, name: str, agents: str, *, nodes: int, gpus: int, ckpt: Path | None = None,
-           steps: int = STEPS, sbatch: tuple[str, ...] = (), **env) -> tuple[int, Path]:
+           steps: int = STEPS, sbatch: tuple[str, ...] = (), extra: tuple[str, ...] = (), **env) -> tuple[int, Path]:
     """sbatch the script with the CPU demo config for `steps` steps; (job id, output dir)."""
     out = cluster.root / name
     home = out / "home"
@@ -97,7 +97,7 @@ def submit(cluster: SlurmCluster, name: str, agents: str, *, nodes: int, gpus: i
         f"trainer.total_training_steps={steps}", "trainer.save_freq=1", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "trainer.resume_mode=auto", "trainer.progress_bar=false",
         "trainer.logger=[console,file]", f"trainer.default_local_dir={ckpt or out / 'ckpt'}",
-        f"trainer.progress_file={out / 'progress.json'}",
+        f"trainer.progress_file={out / 'progress.json'}", *extra,
     ]
     proc = subprocess.run(
         ["sbatch", "--parsable", f"--nodes={nodes}", f"--gpus-per-node={gpus}", "--cpus-per-task=8",
@@ -198,19 +198,8 @@ def test_scancel_mid_step_then_resubmit_resumes_with_the_uninterrupted_metrics(c
     assert sorted(expected) == list(range(1, REFERENCE_STEPS + 1)), job_log(ref_out)[-3000:]
 
     ckpt = cluster.root / "cancel_ckpt"
-    job, out = submit(cluster, "cancelled", agents, nodes=1, gpus=2, ckpt=ckpt)
-    progress = out / "progress.json"
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    seen = None
-    while time.monotonic() < deadline and cluster.job_state(job):
-        try:
-            seen = json.loads(progress.read_text())
-        except (OSError, ValueError):
-            seen = None
-        if seen and seen["step"] == 2 and seen["phase"] == "gen":
-            break
-        time.sleep(0.05)
-    assert seen and (seen["step"], seen["phase"]) == (2, "gen"), f"never reached step 2's rollout: {seen}\n{job_log(out)[-3000:]}"
+    job, out = submit(cluster, "cancelled", agents, nodes=1, gpus=2, ckpt=ckpt, steps=REFERENCE_STEPS)
+    wait_progress(cluster, job, out, 2, "gen")
     cancelled_at = time.monotonic()
     cluster.scancel(job)
     # Ray (and every other process of the job) is gone from the node once Slurm's KillWait has run
@@ -226,25 +215,42 @@ def test_scancel_mid_step_then_resubmit_resumes_with_the_uninterrupted_metrics(c
     assert any(r[0] == str(job) and r[1].startswith("CANCELLED") for r in rows), rows
     log = job_log(out)
     assert "hacpo: SIGTERM received; stopping Ray" in log, log[-3000:]
-
-    # the newest complete checkpoint is step 1's, intact; step 2 never became latest
+    # the trainer catches the SIGTERM too and finishes or abandons step 2; Slurm's SIGTERM reaches
+    # Ray's processes as well, so its checkpoint of step 2 may or may not get written: either
+    # way the newest complete checkpoint is one of a finished step, and the script does not
+    # requeue a cancelled job
+    assert "requeueing job" not in log, log[-3000:]
     from recipe_hacpo.reliability import LATEST_FILE, checkpoint_problem, find_resume_checkpoint
 
-    assert (ckpt / LATEST_FILE).read_text().strip() == "1"
-    assert checkpoint_problem(str(ckpt / "global_step_1"), list(NAMES)) is None
-    assert find_resume_checkpoint(str(ckpt), list(NAMES)).path.endswith("global_step_1")
-    assert sorted(steps_logged(out)) == [1]
+    latest = int((ckpt / LATEST_FILE).read_text().strip())
+    assert latest in (1, 2), latest
+    assert checkpoint_problem(str(ckpt / f"global_step_{latest}"), list(NAMES)) is None
+    assert find_resume_checkpoint(str(ckpt), list(NAMES)).path.endswith(f"global_step_{latest}")
+    assert sorted(steps_logged(out)) == list(range(1, latest + 1))
 
-    job2, out2 = submit(cluster, "resumed", agents, nodes=1, gpus=2, ckpt=ckpt)
+    job2, out2 = submit(cluster, "resumed", agents, nodes=1, gpus=2, ckpt=ckpt, steps=REFERENCE_STEPS)
     cluster.wait_job(job2, JOB_TIMEOUT_S)
     assert_completed(cluster, job2, out2)
     resumed = {s: training_metrics(d) for s, d in steps_logged(out2).items()}
-    assert sorted(resumed) == [2], job_log(out2)[-3000:]
-    context = f"Ray gone {gone_after:.1f} s after scancel"
-    assert resumed[2].keys() == expected[2].keys(), context
-    for key, value in expected[2].items():
-        assert math.isclose(resumed[2][key], value, rel_tol=1e-6, abs_tol=1e-9), (key, value, resumed[2][key], context)
+    assert sorted(resumed) == list(range(latest + 1, REFERENCE_STEPS + 1)), job_log(out2)[-3000:]
+    context = f"Ray gone {gone_after:.1f} s after scancel; step {latest} checkpointed before it"
+    for step, got in resumed.items():
+        assert got.keys() == expected[step].keys(), context
+        for key, value in expected[step].items():
+            assert math.isclose(got[key], value, rel_tol=1e-6, abs_tol=1e-9), (step, key, value, got[key], context)
     assert_no_job_process(cluster)
+
+
+SLOW_REWARD = """
+import time
+
+from reward.math_reward import compute_score as package_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    time.sleep(0.5)
+    return package_score(data_source, solution_str, ground_truth, extra_info=extra_info, **kwargs)
+"""
 
 
 def wait_progress(cluster: SlurmCluster, job: int, out: Path, step: int, phase: str) -> dict:
@@ -252,14 +258,20 @@ def wait_progress(cluster: SlurmCluster, job: int, out: Path, step: int, phase: 
     progress = out / "progress.json"
     deadline = time.monotonic() + JOB_TIMEOUT_S
     seen = None
-    while time.monotonic() < deadline and cluster.job_state(job) in ("RUNNING", "CONFIGURING", "PENDING"):
+    asked = 0.0
+    while time.monotonic() < deadline:
         try:
             seen = json.loads(progress.read_text())
         except (OSError, ValueError):
             seen = None
         if seen and (seen["step"], seen["phase"]) == (step, phase):
             return seen
-        time.sleep(0.02)
+        # squeue takes a while on a loaded machine: ask it every 2 s only, not between two reads
+        if time.monotonic() - asked > 2:
+            if cluster.job_state(job) not in ("RUNNING", "CONFIGURING", "PENDING"):
+                break
+            asked = time.monotonic()
+        time.sleep(0.005)
     raise AssertionError(f"never reached {phase} of step {step}: {seen}\n{job_log(out)[-3000:]}")
 
 
@@ -286,7 +298,7 @@ def test_preempted_and_time_limited_job_requeues_itself_and_ends_with_the_uninte
     """One job of REFERENCE_STEPS steps that its own script requeues twice (--requeue and
     --signal=B:USR1@170 on the sbatch line, the defaults of hacpo.slurm otherwise):
 
-    - run 0, a preemption: `scancel --batch --signal=USR1` in step 2's rollout. Time allows
+    - run 0, a preemption: `scancel --batch --signal=USR1` in step 2's scoring. Time allows
       (usr1_grace_s 300 s against a step of seconds), so the trainer finishes step 2; a second
       SIGUSR1 arrives while step 2's checkpoint is being written and changes nothing. (A SIGTERM
       from Slurm means the job is ending: the script then leaves the requeue to Slurm.) Exit 75; the script stops Ray and requeues the job.
@@ -304,10 +316,15 @@ def test_preempted_and_time_limited_job_requeues_itself_and_ends_with_the_uninte
     assert sorted(expected) == list(range(1, REFERENCE_STEPS + 1)), job_log(ref_out)[-3000:]
 
     ckpt = cluster.root / "requeue_ckpt"
+    # the package's reward, half a second slower a call (the same scores): a step of these tiny
+    # agents is otherwise over before a signal sent through Slurm reaches the trainer
+    slow = cluster.root / "slow_reward.py"
+    slow.write_text(SLOW_REWARD)
     job, out = submit(cluster, "requeued", agents, nodes=1, gpus=2, ckpt=ckpt, steps=REFERENCE_STEPS,
-                      sbatch=("--time=20", "--signal=B:USR1@170", "--requeue"))
+                      sbatch=("--time=20", "--signal=B:USR1@170", "--requeue"),
+                      extra=(f"reward.custom_reward_function.path={slow}",))
     # run 0: a preemption notice mid-step, then a second signal during the checkpoint write
-    wait_progress(cluster, job, out, 2, "gen")
+    wait_progress(cluster, job, out, 2, "reward")
     cluster.scancel(job, "--batch", "--signal=USR1")
     torn = ckpt / "global_step_2.tmp"
     deadline = time.monotonic() + JOB_TIMEOUT_S
@@ -320,7 +337,9 @@ def test_preempted_and_time_limited_job_requeues_itself_and_ends_with_the_uninte
     log = job_log(out)
     assert "hacpo: SIGUSR1 received; handing it to the trainer" in log, log[-4000:]
     assert "hacpo: step 2: finishing it before the checkpoint: " in log, log[-4000:]
-    assert "hacpo: SIGUSR1 during the stop: ignored, the checkpoint of step 2 is complete" in log, log[-4000:]
+    # the second signal: recorded and ignored (it may land just after the write, which is short here;
+    # tests/test_preemption.py's end-to-end test lands one inside it)
+    assert "hacpo: SIGUSR1 received: a stop is already under way; ignored" in log, log[-4000:]
     assert "checkpoint step 2 (this run resumed from step 0)" in log and "requeueing job" in log, log[-4000:]
     from recipe_hacpo.reliability import LATEST_FILE, checkpoint_problem
 
