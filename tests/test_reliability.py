@@ -780,7 +780,7 @@ def _kill_during(proc, progress_file: str, step: int, phase: str, delay_s: float
 @pytest.mark.e2e
 @pytest.mark.ray
 def test_e2e_killed_mid_checkpoint_and_worker_lost_mid_update_then_resumed_runs_reproduce_the_uninterrupted_run(
-    tmp_path, warm_agent_paths, hf_reference_run
+    tmp_path, warm_agent_paths
 ):
     """One run interrupted twice and resumed each time, against the same run never interrupted:
 
@@ -798,11 +798,17 @@ def test_e2e_killed_mid_checkpoint_and_worker_lost_mid_update_then_resumed_runs_
     import random
     import signal
 
-    from conftest import hf_reference_args
+    paths = {"qwen2-char-small": warm_agent_paths["qwen2-char-small"],
+             "llama-pair-medium": warm_agent_paths["llama-pair-medium"]}
+    common = _agents(paths) + [
+        "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "trainer.resume_mode=auto",
+    ]
 
-    # the uninterrupted run (the session's, shared with tests/test_preemption.py)
-    common = hf_reference_args(warm_agent_paths) + ["trainer.save_freq=1"]
-    reference = hf_reference_run
+    reference = str(tmp_path / "reference")
+    proc = subprocess.run(_cli(reference, common), cwd=REPO, env=_env(reference), capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     reference_steps = _steps(reference)
     expected = {step: _training_metrics(data) for step, data in reference_steps.items()}
     assert sorted(expected) == [1, 2, 3]
