@@ -115,19 +115,34 @@ def plan_only(cfg: DictConfig) -> int:
 
 
 def run(cfg: DictConfig) -> dict:
-    """Train; returns the last step's metrics."""
+    """Train; returns the last step's metrics. Raises ResumableStop when a signal or a deadline
+    stopped the run with a complete checkpoint (recipe_hacpo/preemption.py)."""
+    import time
+
     from verl.utils import hf_tokenizer
     from verl.utils.tracking import Tracking
 
+    from recipe_hacpo.preemption import PreemptionSettings, StopSignals, shield_children
     from recipe_hacpo.trainer import HacpoTrainer
 
+    started = time.time()
     verbose = _apply_verbosity(cfg)
     specs, hacpo = prepare(cfg)
+    PreemptionSettings.from_config(cfg.trainer)  # a bad trainer.preemption key fails before Ray
+    # from here on SIGUSR1 / SIGTERM ask for a stop at the next safe point
+    signals = StopSignals().install()
     # the dataset keeps raw chat messages; each agent renders them with its own template
     tokenizer = hf_tokenizer(specs[0].model_path)
     train_loader, val_loader, steps = build_dataloaders(cfg, tokenizer)
-    start_ray(cfg)
+    # a local Ray's processes start with SIGUSR1 blocked, so only this process acts on it (a
+    # SIGUSR1 meanwhile waits for the block to lift). ray.init installs Ray's own SIGTERM handler
+    # in this process (it logs and aborts): ours go back on top of it
+    with shield_children():
+        start_ray(cfg)
+        signals.install()
     trainer = HacpoTrainer(cfg, specs, hacpo)
+    trainer.stop_signals = signals
+    trainer.started_at = started
     trainer.init_workers(train_loader, val_loader, steps)
     logger = Tracking(
         project_name=cfg.trainer.project_name,
@@ -163,12 +178,17 @@ def logger_backends(cfg: DictConfig, verbose: bool) -> list[str]:
 @hydra.main(config_path="pkg://recipe_hacpo.configs", config_name="hacpo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
     from recipe_hacpo.data.schema import DataFormatError
+    from recipe_hacpo.preemption import RESUMABLE_EXIT, ResumableStop
     from recipe_hacpo.reliability import AgentError, CheckpointError
 
     try:
         if cfg.trainer.get("plan_only", False):
             sys.exit(plan_only(cfg))
         run(cfg)
+    except ResumableStop as stop:
+        # not a failure: a complete checkpoint is published; the same command resumes from it
+        print(f"hacpo: {stop}; exit status {RESUMABLE_EXIT} (resume with trainer.resume_mode=auto)", flush=True)
+        sys.exit(RESUMABLE_EXIT)
     except (ConfigError, DataFormatError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

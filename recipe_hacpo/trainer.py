@@ -21,6 +21,7 @@ workers); agents on the shared pool take turns.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import copy
 import json
 import math
 import os
@@ -73,6 +74,14 @@ from recipe_hacpo.reliability import (
 )
 from recipe_hacpo.rollout_check import PATH as ROLLOUT_CHECK_PATH
 from recipe_hacpo.rollout_check import agent_precision, mismatch_message, mismatch_stats, violations
+from recipe_hacpo.preemption import (
+    PreemptionSettings,
+    ResumableStop,
+    StepAbandoned,
+    StopClock,
+    StopSignals,
+    slurm_end_time,
+)
 from recipe_hacpo.replay import RecordedPeer, record_rollouts, replay_exchange
 from recipe_hacpo.scoring import Verifier, attach_rewards, decode_responses, load_reward_fn
 from verl import DataProto
@@ -110,6 +119,13 @@ class HacpoTrainer:
         self._worker_processes: dict[str, list[str]] | None = None
         self.verifier = Verifier(load_reward_fn(config), timeout_s=float(config.trainer.reward_timeout_s))
         self._pool = cf.ThreadPoolExecutor(max_workers=max(1, len(specs)), thread_name_prefix="hacpo-agent")
+        # stopping to be resumed (preemption.py): main.py installs the handlers; `started_at`
+        # anchors trainer.preemption.time_limit_s
+        self.preemption = PreemptionSettings.from_config(config.trainer)
+        self.stop_signals = StopSignals()
+        self.started_at = time.time()
+        self._step_started: float | None = None
+        self._step_decision: str | None = None
 
     # ================================================================== set-up
     def init_workers(self, train_dataloader, val_dataloader, total_steps: int) -> None:
@@ -249,6 +265,7 @@ class HacpoTrainer:
 
         @contextmanager
         def phase(name: str):
+            self._safe_point(name)
             self._announce(name)
             with simple_timer(name, timing):  # adds to timing[name]; each phase runs once a step
                 yield
@@ -505,29 +522,39 @@ class HacpoTrainer:
     def checkpoint_root(self) -> str:
         return str(self.config.trainer.default_local_dir)
 
-    def save_checkpoint(self) -> str:
-        """Write every agent and the trainer state to a temp dir, then publish it atomically."""
-        final = os.path.join(self.checkpoint_root, f"global_step_{self.global_step}")
+    def trainer_state(self) -> dict:
+        """What a checkpoint holds besides the agents' workers: step, capability history, data
+        position and RNGs (copied, so a snapshot taken between steps stays as it was)."""
+        return {
+            "global_step": self.global_step,
+            "tracker": copy.deepcopy(self.tracker.state_dict()),
+            "dataloader": copy.deepcopy(self.train_dataloader.state_dict()),
+            "agents": [s.name for s in self.specs],
+            "torch_rng": torch.get_rng_state(),
+            "numpy_rng": np.random.get_state(),
+        }
+
+    def save_checkpoint(self, state: dict | None = None) -> str:
+        """Write every agent and the trainer state to a temp dir, then publish it atomically.
+
+        `state`: a `trainer_state()` taken earlier (the end of the last finished step, when the
+        step after it is abandoned); its step must be the agents' current one.
+        """
+        state = self.trainer_state() if state is None else state
+        step = int(state["global_step"])
+        final = os.path.join(self.checkpoint_root, f"global_step_{step}")
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp, exist_ok=True)
         for name, agent in self.agents.items():
             try:
-                agent.save(os.path.join(tmp, name), self.global_step)
+                agent.save(os.path.join(tmp, name), step)
             except Exception as exc:
                 # the temp dir stays torn and is never published; the previous checkpoint stays latest
-                raise AgentError(name, f"checkpoint of step {self.global_step} failed: {describe_failure(exc)}") from exc
-        state = {
-            "global_step": self.global_step,
-            "tracker": self.tracker.state_dict(),
-            "dataloader": self.train_dataloader.state_dict(),
-            "agents": [s.name for s in self.specs],
-            "torch_rng": torch.get_rng_state(),
-            "numpy_rng": np.random.get_state(),
-        }
+                raise AgentError(name, f"checkpoint of step {step} failed: {describe_failure(exc)}") from exc
         torch.save(state, os.path.join(tmp, STATE_FILE))
         replace_dir(tmp, final)
-        atomic_write_text(os.path.join(self.checkpoint_root, LATEST_FILE), str(self.global_step))
+        atomic_write_text(os.path.join(self.checkpoint_root, LATEST_FILE), str(step))
         return final
 
     def load_checkpoint(self) -> bool:
@@ -564,15 +591,77 @@ class HacpoTrainer:
         self.global_step = int(state["global_step"])
         return True
 
+    # ================================================================== stopping to be resumed
+    def _safe_point(self, next_phase: str) -> None:
+        """Between two phases of a step: while a stop is wanted (a signal) or a deadline is near,
+        decide once per step to finish it or to abandon it (StepAbandoned), and say which and why."""
+        if self._step_started is None or self._step_decision == "finish":
+            return
+        decision = self.stop_clock.finish_or_abandon(
+            self.stop_signals.first, next_phase, time.perf_counter() - self._step_started
+        )
+        if decision is None:
+            return
+        verdict, why = decision
+        self._step_decision = verdict
+        if verdict == "finish":
+            print(f"hacpo: step {self.global_step}: finishing it before the checkpoint: {why}", flush=True)
+            return
+        print(f"hacpo: step {self.global_step}: abandoning it before {next_phase}, nothing of it is saved: {why}",
+              flush=True)
+        raise StepAbandoned(why)
+
+    def _stop_for_resume(self, reason: str, saved_step: int | None, state: dict | None) -> None:
+        """Publish a complete checkpoint of the last finished step (unless it is already the
+        newest one), record the stop, and raise ResumableStop."""
+        step = self.global_step if state is None else int(state["global_step"])
+        if step > 0 and saved_step != step:
+            self._announce("save_checkpoint")
+            start = time.perf_counter()
+            self.save_checkpoint(state)
+            print(f"hacpo: checkpoint of step {step} written in {time.perf_counter() - start:.1f} s", flush=True)
+        if self.stop_signals.received[1:]:
+            later = ", ".join(name for name, _ in self.stop_signals.received[1:])
+            print(f"hacpo: {later} during the stop: ignored, the checkpoint of step {step} is complete", flush=True)
+        self._announce("stopped")
+        record = self.preemption.record_file
+        if record:
+            os.makedirs(os.path.dirname(os.path.abspath(record)), exist_ok=True)
+            atomic_write_text(record, json.dumps({
+                "resumed_from": self.resumed_from, "step": step, "reason": reason,
+                "signals": [name for name, _ in self.stop_signals.received],
+            }))
+        raise ResumableStop(step, reason)
+
+    def _deadline_in_advance(self) -> float | None:
+        """The earliest of the Slurm job's end time and start + trainer.preemption.time_limit_s."""
+        ends = []
+        if self.preemption.slurm_end_time:
+            end = slurm_end_time()
+            if end is not None:
+                ends.append(end)
+        if self.preemption.time_limit_s is not None:
+            ends.append(self.started_at + self.preemption.time_limit_s)
+        return min(ends) if ends else None
+
     # ================================================================== the loop
     def fit(self, logger, progress: bool = True, summary_every: int = 0) -> dict[str, float]:
         """Validate, train `total_steps` steps, validate/save on their schedule; returns the last
         step's metrics. Every metric goes to `logger`; with `summary_every` > 0, one short line
-        per agent is written under the progress bar every that many steps and at the last."""
+        per agent is written under the progress bar every that many steps and at the last.
+
+        Raises ResumableStop after a stop asked for by a signal or a deadline (preemption.py),
+        once a complete checkpoint of the last finished step is published."""
         from tqdm import tqdm
 
         t = self.config.trainer
         resumed = self.load_checkpoint()
+        self.resumed_from = self.global_step
+        saved_step = self.global_step if resumed else None  # newest step with a complete checkpoint
+        self.stop_clock = StopClock(self.preemption, end_time=self._deadline_in_advance())
+        if self.stop_clock.end_time is not None:
+            left = self.stop_clock.end_time - time.time()
+            print(f"hacpo: stopping to be resumed before the deadline in {left:.0f} s", flush=True)
         latest: dict[str, float] = {}  # newest value of every metric, validation included
         if t.get("val_before_train", True) and not resumed:
             val = self.validate()
@@ -582,31 +671,64 @@ class HacpoTrainer:
                 tqdm.write(summary_lines(latest, self.global_step, self.total_steps))
         last: dict[str, float] = {}
         bar = tqdm(total=self.total_steps, initial=self.global_step, desc="HACPO", disable=not progress)
-        while self.global_step < self.total_steps:
-            for batch_dict in self.train_dataloader:
-                self.global_step += 1
-                start = time.perf_counter()
-                metrics = self.train_step(batch_dict)
-                metrics["timing_s/step"] = time.perf_counter() - start
-                metrics["training/global_step"] = self.global_step
-                done = self.global_step >= self.total_steps
-                if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or done):
-                    self._announce("validate")
-                    metrics.update(self.validate())
-                if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or done):
-                    self._announce("save_checkpoint")
-                    self.save_checkpoint()
-                self._announce("step_done")
-                logger.log(data=metrics, step=self.global_step)
-                last = metrics
-                latest.update(metrics)
-                bar.update(1)
-                if summary_every > 0 and (self.global_step % summary_every == 0 or done):
-                    bar.write(summary_lines(latest, self.global_step, self.total_steps))
-                if done:
+        finished_state: dict | None = None  # trainer_state() at the end of the last finished step
+        try:
+            while self.global_step < self.total_steps:
+                batches = iter(self.train_dataloader)
+                while True:
+                    reason = self.stop_clock.stop_before_step(self.stop_signals.first)
+                    if reason is not None:
+                        print(f"hacpo: stopping before step {self.global_step + 1}: {reason}", flush=True)
+                        self._stop_for_resume(reason, saved_step, finished_state)
+                    try:
+                        batch_dict = next(batches)
+                    except StopIteration:
+                        break
+                    self.global_step += 1
+                    self._step_decision = None
+                    start = self._step_started = time.perf_counter()
+                    try:
+                        metrics = self.train_step(batch_dict)
+                    except StepAbandoned as abandoned:
+                        # nothing of the step reached a weight; roll the capability history back
+                        self.global_step -= 1
+                        if finished_state is not None:
+                            self.tracker.load_state_dict(copy.deepcopy(finished_state["tracker"]))
+                        self._stop_for_resume(abandoned.reason, saved_step, finished_state)
+                    finally:
+                        self._step_started = None
+                    metrics["timing_s/step"] = time.perf_counter() - start
+                    self.stop_clock.note_step(metrics["timing_s/step"])
+                    metrics["training/global_step"] = self.global_step
+                    done = self.global_step >= self.total_steps
+                    stopping = self.stop_signals.first is not None
+                    if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or done):
+                        if stopping and not done:
+                            print(f"hacpo: step {self.global_step}: validation skipped, stopping", flush=True)
+                        else:
+                            self._announce("validate")
+                            metrics.update(self.validate())
+                    if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or done):
+                        self._announce("save_checkpoint")
+                        saving = time.perf_counter()
+                        self.save_checkpoint()
+                        self.stop_clock.note_checkpoint(time.perf_counter() - saving)
+                        saved_step = self.global_step
+                    self._announce("step_done")
+                    logger.log(data=metrics, step=self.global_step)
+                    last = metrics
+                    latest.update(metrics)
+                    bar.update(1)
+                    if summary_every > 0 and (self.global_step % summary_every == 0 or done):
+                        bar.write(summary_lines(latest, self.global_step, self.total_steps))
+                    if done:
+                        break
+                    finished_state = self.trainer_state()
+                if self.global_step >= self.total_steps:
                     break
-        bar.close()
-        self.verifier.close()
+        finally:
+            bar.close()
+            self.verifier.close()
         return last
 
 

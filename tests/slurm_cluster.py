@@ -184,6 +184,9 @@ class SlurmCluster:
             "GresTypes=gpu",
             "ReturnToService=2",
             f"KillWait={KILL_WAIT_S}",
+            # the main scheduling loop every 5 s (60 by default): a requeued job released by the
+            # test starts within seconds
+            "SchedulerParameters=sched_interval=5",
             "InactiveLimit=0", "MinJobAge=300",
             "AccountingStorageType=accounting_storage/slurmdbd",
             "AccountingStorageHost=127.0.0.1",
@@ -245,10 +248,21 @@ class SlurmCluster:
             time.sleep(1)
         raise AssertionError(f"sacct never showed job {job} finished: {rows}")
 
-    def scancel(self, job: int) -> None:
-        proc = self._run(["scancel", str(job)])
+    def scancel(self, job: int, *options: str) -> None:
+        proc = self._run(["scancel", *options, str(job)])
         if proc.returncode != 0:
-            raise ClusterError(f"scancel {job}: {proc.stderr.strip()}")
+            raise ClusterError(f"scancel {' '.join(options)} {job}: {proc.stderr.strip()}")
+
+    def scontrol(self, *args: str) -> str:
+        proc = self._run(["scontrol", *args])
+        if proc.returncode != 0:
+            raise ClusterError(f"scontrol {' '.join(args)}: {proc.stderr.strip()}")
+        return proc.stdout
+
+    def sacct_runs(self, job: int) -> list[tuple[str, str, str]]:
+        """[(JobID, State, ExitCode)] of every run of the job (sacct -D: requeued runs too), batch steps included."""
+        proc = self._run(["sacct", "-D", "-n", "-P", "-j", str(job), "-o", "JobID,State,ExitCode"])
+        return [tuple(line.split("|")) for line in proc.stdout.splitlines() if line.strip()]
 
     # ------------------------------------------------------------------ processes
     def node_processes(self) -> dict[str, list[str]]:

@@ -44,12 +44,12 @@ line=$(
 printf '%s\n' "$line" >>"$STANDIN_LOG"
 case $name in
     scontrol) [[ $1 == show && $2 == hostnames ]] && tr ' ' '\n' <<<"$STANDIN_HOSTS" ;;
-    # a Ray step runs until the batch script's clean-up sends SIGUSR1 to its srun
+    # a Ray step runs until the batch script's clean-up sends SIGUSR2 to its srun
     srun)
         if [[ " $* " == *" start "* ]]; then
             sleep 30 &
             sleeper=$!
-            trap 'kill "$sleeper"; printf "srun-stopped\x1f%s\x1e\n" "$*" >>"$STANDIN_LOG"; exit 0' USR1
+            trap 'kill "$sleeper"; printf "srun-stopped\x1f%s\x1e\n" "$*" >>"$STANDIN_LOG"; exit 0' USR2
             wait "$sleeper"
         fi
         ;;
@@ -385,19 +385,23 @@ def _ray_node(tmp_path, command: str, **env):
     return proc, log
 
 
-@pytest.mark.parametrize("signame", ["SIGUSR1", "SIGTERM"])
+@pytest.mark.parametrize("signame", ["SIGUSR2", "SIGTERM"])
 def test_ray_node_keeps_rays_output_in_its_file_and_ends_cleanly_on_a_stop_signal(tmp_path, signame):
     import signal
     import time
 
-    # Ray ignores SIGUSR1 (only ray_node.sh acts on it) and stops on the SIGTERM it forwards
+    # Ray ignores SIGUSR1 and SIGUSR2 (only ray_node.sh acts on SIGUSR2) and stops on the SIGTERM it forwards
     command = ('trap "echo ray: SIGTERM; exit 1" TERM; echo "raylet: started $CUDA_VISIBLE_DEVICES '
-               '${ROCR_VISIBLE_DEVICES-none}"; kill -USR1 $$; sleep 30 & wait')
+               '${ROCR_VISIBLE_DEVICES-none}"; kill -USR1 $$; kill -USR2 $$; sleep 30 & wait')
     proc, log = _ray_node(tmp_path, command, CUDA_VISIBLE_DEVICES="0,1", ROCR_VISIBLE_DEVICES="0,1", GPU_VENDOR="nvidia")
     deadline = time.monotonic() + 10
     while not (log.exists() and log.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
     time.sleep(0.2)
+    # the trainer's stop request (scancel --full --signal=USR1) leaves the step and its Ray running
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(0.5)
+    assert proc.poll() is None and log.read_text() == "raylet: started 0,1 none\n"
     proc.send_signal(getattr(signal, signame))
     out, err = proc.communicate(timeout=10)
     assert proc.returncode == 0 and out == "hacpo: ray on n1 stopped\n" and err == ""
@@ -471,3 +475,141 @@ def test_wait_for_ray_polls_until_every_gpu_joined():
     now[0] = 0.0
     with pytest.raises(TimeoutError, match="8/16 GPUs on 1/2 nodes after 12 s"):
         wait.wait_for(16, 2, 12, 5, lambda: (8, 1), clock=lambda: now[0], sleep=sleep, log=logs.append)
+
+
+# --------------------------------------------------------------------------- stopping to be resumed
+
+# a `python` that logs like the other stand-ins; for the trainer it writes the stop record the
+# trainer would and exits with STANDIN_TRAINER_STATUS, or, with STANDIN_WAIT_USR1 set, becomes a
+# Python process that touches that file, waits for SIGUSR1 or SIGTERM (Python can handle a signal
+# that its parent ignored, as the trainer does; bash cannot trap one) and exits 75 (9 without one)
+WAIT_USR1 = (
+    "import json, signal, sys, time; got = []; signal.signal(signal.SIGUSR1, lambda *a: got.append(1)); "
+    "signal.signal(signal.SIGTERM, lambda *a: got.append(1)); "
+    "open(sys.argv[1], 'w').close(); [time.sleep(0.05) for _ in range(200) if not got]; "
+    "got and open(sys.argv[2], 'w').write(json.dumps({'resumed_from': int(sys.argv[3]), 'step': int(sys.argv[4])})); "
+    "sys.exit(75 if got else 9)"
+)
+RESUMABLE_TRAINER = STANDIN.replace("\nexit 0\n", r'''
+if [[ " $* " == *" recipe_hacpo.main "* ]]; then
+    record=$(printf '%s\n' "$@" | sed -n 's/^++trainer.preemption.record_file=//p')
+    if [[ -n ${STANDIN_WAIT_USR1:-} ]]; then
+        exec "$STANDIN_REAL_PYTHON" -c "$STANDIN_WAIT_CODE" "$STANDIN_WAIT_USR1" "$record" \
+            "${STANDIN_FROM:-0}" "${STANDIN_TO:-3}"
+    fi
+    status=${STANDIN_TRAINER_STATUS:-0}
+    if ((status == 75)); then
+        printf '{"resumed_from": %s, "step": %s, "reason": "SIGUSR1 received", "signals": ["SIGUSR1"]}' \
+            "${STANDIN_FROM:-0}" "${STANDIN_TO:-3}" >"$record"
+    fi
+    exit "$status"
+fi
+exit 0
+''')
+
+
+@pytest.fixture
+def resumable(standins, tmp_path):
+    """Run hacpo.slurm with the resumable trainer stand-in and a scontrol that answers
+    `show job` with Requeue=$STANDIN_REQUEUE [1]; (process, calls, stdout)."""
+    bin_dir = tmp_path / "resumable"
+    bin_dir.mkdir()
+    (bin_dir / "python").write_text(RESUMABLE_TRAINER)
+    (bin_dir / "scontrol").write_text(STANDIN.replace(
+        "    scontrol) [[ $1 == show && $2 == hostnames ]]",
+        '    scontrol) [[ $1 == show && $2 == job ]] && echo "JobId=$3 Requeue=${STANDIN_REQUEUE:-1} Restarts=0"\n'
+        "        [[ $1 == show && $2 == hostnames ]]"))
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    path = f"{bin_dir}:{tmp_path / 'bin'}:{os.environ['PATH']}"
+
+    def run(**extra):
+        env = {**_slurm_env(["gpu01"]), "PRESET": "hacpo_cpu_demo", "PATH": path,
+               "RAY_LOG_DIR": str(tmp_path / "logs"), "STANDIN_REAL_PYTHON": sys.executable,
+               "STANDIN_WAIT_CODE": WAIT_USR1, **extra}
+        return standins(SLURM, **env)
+
+    return run
+
+
+def _requeues(calls) -> list[list[str]]:
+    return [argv for argv, _ in calls if argv[:2] == ["scontrol", "requeue"]]
+
+
+def test_slurm_requeues_a_run_stopped_to_be_resumed_after_stopping_ray(resumable, tmp_path):
+    proc, calls = resumable(STANDIN_TRAINER_STATUS="75", STANDIN_FROM="2", STANDIN_TO="5")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    names = [argv[0] for argv, _ in calls]
+    trainer = [a for a, _ in calls if "recipe_hacpo.main" in a][0]
+    assert f"++trainer.preemption.record_file={tmp_path / 'logs' / 'stop.json'}" in trainer
+    # Ray is stopped before the job is requeued (the requeue ends the batch script)
+    assert _requeues(calls) == [["scontrol", "requeue", "4242"]]
+    assert names.index("srun-stopped") < [a for a, _ in calls].index(["scontrol", "requeue", "4242"])
+    assert "checkpoint step 5 (this run resumed from step 2)" in proc.stdout
+    assert "hacpo: requeueing job 4242 (restart 1)" in proc.stdout
+    assert (tmp_path / "logs" / "stalls").read_text().strip() == "0"
+
+
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        ({"STANDIN_REQUEUE": "0"}, "the job is not requeueable (Requeue=0; submit with --requeue)"),
+        ({"SLURM_RESTART_COUNT": "20"}, "it has been requeued 20 times (MAX_REQUEUES=20)"),
+        ({"SLURM_RESTART_COUNT": "2", "MAX_REQUEUES": "2"}, "it has been requeued 2 times (MAX_REQUEUES=2)"),
+    ],
+)
+def test_slurm_does_not_requeue_when_the_job_does_not_allow_it(resumable, extra, why):
+    proc, calls = resumable(STANDIN_TRAINER_STATUS="75", **extra)
+    assert proc.returncode == 75 and _requeues(calls) == []
+    assert f"hacpo: not requeued: {why}; the same sbatch line resumes from the checkpoint (exit status 75)" in proc.stdout
+    assert "srun-stopped" in [argv[0] for argv, _ in calls]  # Ray stopped all the same
+
+
+def test_slurm_stops_requeueing_a_job_that_makes_no_progress(resumable, tmp_path):
+    # three runs in a row that saved no step past the one they resumed from; progress resets the count
+    outcomes = []
+    for start, end in ((4, 4), (4, 4), (4, 5), (5, 5), (5, 5), (5, 5)):
+        proc, calls = resumable(STANDIN_TRAINER_STATUS="75", STANDIN_FROM=str(start), STANDIN_TO=str(end), STALL_LIMIT="3")
+        outcomes.append((proc.returncode, len(_requeues(calls))))
+    assert outcomes == [(0, 1), (0, 1), (0, 1), (0, 1), (0, 1), (75, 0)]
+    assert "3 runs in a row ended without a new checkpoint step (STALL_LIMIT=3)" in proc.stdout
+
+
+def test_slurm_other_exit_statuses_are_not_requeued(resumable):
+    for status in ("0", "1", "2"):
+        proc, calls = resumable(STANDIN_TRAINER_STATUS=status)
+        assert proc.returncode == int(status) and _requeues(calls) == []
+
+
+@pytest.mark.parametrize("signame", ["SIGUSR1", "SIGTERM"])
+def test_slurm_hands_the_signal_to_the_trainer_and_requeues_only_on_a_stop_request(resumable, tmp_path, signame):
+    import signal
+    import threading
+    import time
+
+    ready = tmp_path / "trainer_waits"
+    result = {}
+
+    def run():
+        result["out"] = resumable(STANDIN_WAIT_USR1=str(ready), STANDIN_FROM="1", STANDIN_TO="2")
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert ready.exists(), "the trainer stand-in never started"
+    # the batch shell is the `bash hacpo.slurm` process: `--signal=B:USR1@<secs>` signals it alone
+    shells = subprocess.run(["pgrep", "-f", f"bash {SLURM}"], capture_output=True, text=True).stdout.split()
+    assert len(shells) == 1, shells
+    os.kill(int(shells[0]), getattr(signal, signame))
+    thread.join(timeout=60)
+    proc, calls = result["out"]
+    assert f"hacpo: {signame} received; handing it to the trainer" in proc.stdout
+    if signame == "SIGUSR1":
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert _requeues(calls) == [["scontrol", "requeue", "4242"]]
+    else:
+        # Slurm's SIGTERM: the job is ending (scancel, time limit, preemption); Slurm decides on a requeue
+        assert proc.returncode == 75 and _requeues(calls) == []
+        assert "hacpo: not requeued: SIGTERM from Slurm: the job is ending" in proc.stdout

@@ -31,6 +31,9 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "run_scripts" / "slurm" / "hacpo.slurm"
 NAMES = ("qwen_char", "llama_pair")
 STEPS = 2
+# the uninterrupted run every other job is compared with (FSDP's constant learning rate: a
+# step's metrics do not depend on the total)
+REFERENCE_STEPS = 3
 # what a 2-step job of tiny agents may take on a loaded 2-core machine
 JOB_TIMEOUT_S = 600
 # after KillWait's SIGKILL, the seconds a loaded machine may take until no process of the job is left
@@ -65,8 +68,8 @@ def agents(warm_agent_paths) -> str:
 
 
 def submit(cluster: SlurmCluster, name: str, agents: str, *, nodes: int, gpus: int, ckpt: Path | None = None,
-           **env) -> tuple[int, Path]:
-    """sbatch the script with the CPU demo config for STEPS steps; (job id, output dir)."""
+           steps: int = STEPS, sbatch: tuple[str, ...] = (), extra: tuple[str, ...] = (), **env) -> tuple[int, Path]:
+    """sbatch the script with the CPU demo config for `steps` steps; (job id, output dir)."""
     out = cluster.root / name
     home = out / "home"
     (home / ".ray").mkdir(parents=True)
@@ -91,22 +94,23 @@ def submit(cluster: SlurmCluster, name: str, agents: str, *, nodes: int, gpus: i
             if not k.startswith(("RAY_", "HACPO_", "VERL_", "HF_", "PAIR", "PRESET", "PLACEMENT", "VIRTUAL_ENV"))}
     args = [
         agents,
-        f"trainer.total_training_steps={STEPS}", "trainer.save_freq=1", "trainer.test_freq=-1",
+        f"trainer.total_training_steps={steps}", "trainer.save_freq=1", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "trainer.resume_mode=auto", "trainer.progress_bar=false",
         "trainer.logger=[console,file]", f"trainer.default_local_dir={ckpt or out / 'ckpt'}",
-        f"trainer.progress_file={out / 'progress.json'}",
+        f"trainer.progress_file={out / 'progress.json'}", *extra,
     ]
     proc = subprocess.run(
         ["sbatch", "--parsable", f"--nodes={nodes}", f"--gpus-per-node={gpus}", "--cpus-per-task=8",
-         f"--output={out / 'job.out'}", str(SCRIPT), *args],
+         f"--output={out / 'job.out'}", *sbatch, str(SCRIPT), *args],
         env={**base, **job_env}, cwd=REPO, capture_output=True, text=True, timeout=60,
     )
     assert proc.returncode == 0, proc.stderr
     return int(proc.stdout.strip().split(";")[0]), out
 
 
-def steps_logged(out: Path) -> dict[int, dict]:
-    path = out / "metrics.jsonl"
+def steps_logged(out: Path, restart: int = 0) -> dict[int, dict]:
+    # a requeued run logs to its own file (hacpo.slurm: verl's file logger rewrites its file)
+    path = out / ("metrics.jsonl" if restart == 0 else f"metrics.restart{restart}.jsonl")
     if not path.exists():
         return {}
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -150,7 +154,7 @@ def assert_no_job_process(cluster: SlurmCluster, timeout_s: float = 30) -> None:
 
 @pytest.fixture(scope="module")
 def one_node_run(cluster, agents):
-    job, out = submit(cluster, "one", agents, nodes=1, gpus=2)
+    job, out = submit(cluster, "one", agents, nodes=1, gpus=2, steps=REFERENCE_STEPS)
     cluster.wait_job(job, JOB_TIMEOUT_S)
     return job, out
 
@@ -158,7 +162,7 @@ def one_node_run(cluster, agents):
 def test_one_node_job_completes_every_step_and_trains_both_agents(cluster, one_node_run):
     job, out = one_node_run
     assert_completed(cluster, job, out)
-    assert_trained(out, list(range(1, STEPS + 1)))
+    assert_trained(out, list(range(1, REFERENCE_STEPS + 1)))
     log = job_log(out)
     # the clean-up reports what it did, and Ray's own output stayed in its file
     assert "hacpo: Ray stopped on every node" in log, log[-3000:]
@@ -191,22 +195,11 @@ def test_two_node_split_puts_each_agent_on_its_own_node(cluster, agents):
 def test_scancel_mid_step_then_resubmit_resumes_with_the_uninterrupted_metrics(cluster, agents, one_node_run):
     ref_job, ref_out = one_node_run
     expected = {s: training_metrics(d) for s, d in steps_logged(ref_out).items()}
-    assert sorted(expected) == list(range(1, STEPS + 1)), job_log(ref_out)[-3000:]
+    assert sorted(expected) == list(range(1, REFERENCE_STEPS + 1)), job_log(ref_out)[-3000:]
 
     ckpt = cluster.root / "cancel_ckpt"
-    job, out = submit(cluster, "cancelled", agents, nodes=1, gpus=2, ckpt=ckpt)
-    progress = out / "progress.json"
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    seen = None
-    while time.monotonic() < deadline and cluster.job_state(job):
-        try:
-            seen = json.loads(progress.read_text())
-        except (OSError, ValueError):
-            seen = None
-        if seen and seen["step"] == 2 and seen["phase"] == "gen":
-            break
-        time.sleep(0.05)
-    assert seen and (seen["step"], seen["phase"]) == (2, "gen"), f"never reached step 2's rollout: {seen}\n{job_log(out)[-3000:]}"
+    job, out = submit(cluster, "cancelled", agents, nodes=1, gpus=2, ckpt=ckpt, steps=REFERENCE_STEPS)
+    wait_progress(cluster, job, out, 2, "gen")
     cancelled_at = time.monotonic()
     cluster.scancel(job)
     # Ray (and every other process of the job) is gone from the node once Slurm's KillWait has run
@@ -221,23 +214,164 @@ def test_scancel_mid_step_then_resubmit_resumes_with_the_uninterrupted_metrics(c
     rows = cluster.sacct(job)
     assert any(r[0] == str(job) and r[1].startswith("CANCELLED") for r in rows), rows
     log = job_log(out)
-    assert "hacpo: SIGTERM received; stopping Ray" in log, log[-3000:]
-
-    # the newest complete checkpoint is step 1's, intact; step 2 never became latest
+    # the script hands the SIGTERM to the trainer and waits for it; Slurm ends what is left after
+    # KillWait, the script's clean-up included
+    assert "hacpo: SIGTERM received; handing it to the trainer" in log, log[-3000:]
+    # the trainer catches the SIGTERM too and finishes or abandons step 2; Slurm's SIGTERM reaches
+    # Ray's processes as well, so its checkpoint of step 2 may or may not get written: either
+    # way the newest complete checkpoint is one of a finished step, and the script does not
+    # requeue a cancelled job
+    assert "requeueing job" not in log, log[-3000:]
     from recipe_hacpo.reliability import LATEST_FILE, checkpoint_problem, find_resume_checkpoint
 
-    assert (ckpt / LATEST_FILE).read_text().strip() == "1"
-    assert checkpoint_problem(str(ckpt / "global_step_1"), list(NAMES)) is None
-    assert find_resume_checkpoint(str(ckpt), list(NAMES)).path.endswith("global_step_1")
-    assert sorted(steps_logged(out)) == [1]
+    latest = int((ckpt / LATEST_FILE).read_text().strip())
+    assert latest in (1, 2), latest
+    assert checkpoint_problem(str(ckpt / f"global_step_{latest}"), list(NAMES)) is None
+    assert find_resume_checkpoint(str(ckpt), list(NAMES)).path.endswith(f"global_step_{latest}")
+    assert sorted(steps_logged(out)) == list(range(1, latest + 1))
 
-    job2, out2 = submit(cluster, "resumed", agents, nodes=1, gpus=2, ckpt=ckpt)
+    job2, out2 = submit(cluster, "resumed", agents, nodes=1, gpus=2, ckpt=ckpt, steps=REFERENCE_STEPS)
     cluster.wait_job(job2, JOB_TIMEOUT_S)
     assert_completed(cluster, job2, out2)
     resumed = {s: training_metrics(d) for s, d in steps_logged(out2).items()}
-    assert sorted(resumed) == [2], job_log(out2)[-3000:]
-    context = f"Ray gone {gone_after:.1f} s after scancel"
-    assert resumed[2].keys() == expected[2].keys(), context
-    for key, value in expected[2].items():
-        assert math.isclose(resumed[2][key], value, rel_tol=1e-6, abs_tol=1e-9), (key, value, resumed[2][key], context)
+    assert sorted(resumed) == list(range(latest + 1, REFERENCE_STEPS + 1)), job_log(out2)[-3000:]
+    context = f"Ray gone {gone_after:.1f} s after scancel; step {latest} checkpointed before it"
+    for step, got in resumed.items():
+        assert got.keys() == expected[step].keys(), context
+        for key, value in expected[step].items():
+            assert math.isclose(got[key], value, rel_tol=1e-6, abs_tol=1e-9), (step, key, value, got[key], context)
     assert_no_job_process(cluster)
+
+
+SLOW_REWARD = """
+import time
+
+from reward.math_reward import compute_score as package_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+    time.sleep(0.5)
+    return package_score(data_source, solution_str, ground_truth, extra_info=extra_info, **kwargs)
+"""
+
+
+def wait_progress(cluster: SlurmCluster, job: int, out: Path, step: int, phase: str) -> dict:
+    """Poll the run's progress file until it announces `phase` of `step`."""
+    progress = out / "progress.json"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    seen = None
+    asked = 0.0
+    while time.monotonic() < deadline:
+        try:
+            seen = json.loads(progress.read_text())
+        except (OSError, ValueError):
+            seen = None
+        if seen and (seen["step"], seen["phase"]) == (step, phase):
+            return seen
+        # squeue takes a while on a loaded machine: ask it every 2 s only, not between two reads
+        if time.monotonic() - asked > 2:
+            if cluster.job_state(job) not in ("RUNNING", "CONFIGURING", "PENDING"):
+                break
+            asked = time.monotonic()
+        time.sleep(0.005)
+    raise AssertionError(f"never reached {phase} of step {step}: {seen}\n{job_log(out)[-3000:]}")
+
+
+def wait_requeued(cluster: SlurmCluster, job: int, out: Path, restarts: int) -> float:
+    """Wait until the job is pending again after its script requeued it `restarts` times, and
+    until nothing of the run is left on the node; the seconds the node took to empty."""
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while time.monotonic() < deadline:
+        requeued = sum(1 for r in cluster.sacct_runs(job) if r[0] == str(job) and r[1] == "REQUEUED")
+        if requeued >= restarts and cluster.job_state(job) == "PENDING":
+            break
+        assert cluster.job_state(job), f"job ended instead of requeueing: {cluster.sacct_runs(job)}\n{job_log(out)[-4000:]}"
+        time.sleep(0.5)
+    else:
+        raise AssertionError(f"not requeued {restarts} time(s): {cluster.sacct_runs(job)}\n{job_log(out)[-4000:]}")
+    ended = time.monotonic()
+    assert_no_job_process(cluster)
+    return time.monotonic() - ended
+
+
+def test_preempted_and_time_limited_job_requeues_itself_and_ends_with_the_uninterrupted_metrics(
+    cluster, agents, one_node_run
+):
+    """One job of REFERENCE_STEPS steps that its own script requeues twice (--requeue and
+    --signal=B:USR1@170 on the sbatch line, the defaults of hacpo.slurm otherwise):
+
+    - run 0, a preemption: `scancel --batch --signal=USR1` in step 2's scoring. Time allows
+      (usr1_grace_s 300 s against a step of seconds), so the trainer finishes step 2; a second
+      SIGUSR1 arrives while step 2's checkpoint is being written and changes nothing. (A SIGTERM
+      from Slurm means the job is ending: the script then leaves the requeue to Slurm.) Exit 75; the script stops Ray and requeues the job.
+    - run 1, the time limit: while the job waited, its limit was cut to 3 minutes, so Slurm's
+      `--signal=B:USR1@170` comes as the run starts. The run stops before it has trained
+      anything new (before the trainer started, or before or in its first step, which is then
+      abandoned), exit 75, requeued again.
+    - run 2: the limit back to 20 minutes; it resumes from step 2 and finishes.
+
+    Slurm holds a requeued job for about two minutes (its BeginTime); the test releases it at
+    once (`scontrol update StartTime=now`). Each step is trained once, its metrics equal the
+    uninterrupted run's, and nothing of a run is left on the node once it has ended."""
+    ref_job, ref_out = one_node_run
+    expected = {s: training_metrics(d) for s, d in steps_logged(ref_out).items()}
+    assert sorted(expected) == list(range(1, REFERENCE_STEPS + 1)), job_log(ref_out)[-3000:]
+
+    ckpt = cluster.root / "requeue_ckpt"
+    # the package's reward, half a second slower a call (the same scores): a step of these tiny
+    # agents is otherwise over before a signal sent through Slurm reaches the trainer
+    slow = cluster.root / "slow_reward.py"
+    slow.write_text(SLOW_REWARD)
+    job, out = submit(cluster, "requeued", agents, nodes=1, gpus=2, ckpt=ckpt, steps=REFERENCE_STEPS,
+                      sbatch=("--time=20", "--signal=B:USR1@170", "--requeue"),
+                      extra=(f"reward.custom_reward_function.path={slow}",))
+    # run 0: a preemption notice mid-step, then a second signal during the checkpoint write
+    wait_progress(cluster, job, out, 2, "reward")
+    cluster.scancel(job, "--batch", "--signal=USR1")
+    torn = ckpt / "global_step_2.tmp"
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while not torn.is_dir() and time.monotonic() < deadline and cluster.job_state(job) == "RUNNING":
+        time.sleep(0.002)
+    assert torn.is_dir(), f"step 2's checkpoint write never seen\n{job_log(out)[-3000:]}"
+    cluster.scancel(job, "--batch", "--signal=USR1")
+    still_writing = torn.is_dir()
+    emptied = [wait_requeued(cluster, job, out, 1)]
+    log = job_log(out)
+    assert "hacpo: SIGUSR1 received; handing it to the trainer" in log, log[-4000:]
+    assert "hacpo: step 2: finishing it before the checkpoint: " in log, log[-4000:]
+    # the second signal: recorded and ignored (it may land just after the write, which is short here;
+    # tests/test_preemption.py's end-to-end test lands one inside it)
+    assert "hacpo: SIGUSR1 received: a stop is already under way; ignored" in log, log[-4000:]
+    assert "checkpoint step 2 (this run resumed from step 0)" in log and "requeueing job" in log, log[-4000:]
+    from recipe_hacpo.reliability import LATEST_FILE, checkpoint_problem
+
+    assert (ckpt / LATEST_FILE).read_text().strip() == "2"
+    assert checkpoint_problem(str(ckpt / "global_step_2"), list(NAMES)) is None and not torn.exists()
+    assert sorted(steps_logged(out)) == [1, 2]
+
+    # run 1: the time limit is near as soon as the run starts
+    cluster.scontrol("update", f"JobId={job}", "TimeLimit=3", "StartTime=now")
+    emptied.append(wait_requeued(cluster, job, out, 2))
+    log = job_log(out)
+    run1 = log[log.index("restart 1)"):]
+    assert "SIGUSR1 received" in run1, run1[-4000:]
+    assert "(restart 2)" in run1 and (ckpt / LATEST_FILE).read_text().strip() == "2", run1[-4000:]
+    assert sorted(steps_logged(out, 1)) == []
+
+    # run 2: to the end
+    cluster.scontrol("update", f"JobId={job}", "TimeLimit=20", "StartTime=now")
+    cluster.wait_job(job, JOB_TIMEOUT_S)
+    assert_completed(cluster, job, out)
+    runs = cluster.sacct_runs(job)
+    assert [r[1] for r in runs if r[0] == str(job)] == ["REQUEUED", "REQUEUED", "COMPLETED"], runs
+    logged = {**steps_logged(out), **steps_logged(out, 1), **steps_logged(out, 2)}
+    assert sorted(steps_logged(out, 2)) == [3] and sorted(logged) == [1, 2, 3]
+    context = f"second signal while the write was under way: {still_writing}; node empty {emptied} s after each stop"
+    for step in (1, 2, 3):
+        got = training_metrics(logged[step])
+        assert got.keys() == expected[step].keys(), context
+        for key, value in expected[step].items():
+            assert math.isclose(got[key], value, rel_tol=1e-6, abs_tol=1e-9), (step, key, value, got[key], context)
+    assert (ckpt / LATEST_FILE).read_text().strip() == "3"
+    assert_no_job_process(cluster)
+    print(context)

@@ -5,11 +5,15 @@
 #
 # - clears the GPU variables of other vendors first (gpu_env.sh): Ray's workers inherit them
 # - Ray's own output (the raylet's and GCS's log lines) goes to LOG_FILE, not to the job log
-# - SIGUSR1 (the batch script's clean-up sends it to the step's srun, which hands it to every
+# - SIGUSR2 (the batch script's clean-up sends it to the step's srun, which hands it to every
 #   process of the step) or SIGTERM (scancel) stops Ray with a SIGTERM to `ray start`, and ends
 #   the step with status 0: a run that ends normally leaves COMPLETED Ray steps in sacct, where
 #   `ray start --block` alone exits 1 on SIGTERM, and a SIGTERM to srun makes Slurm kill the
-#   step (CANCELLED). Ray's processes start with SIGUSR1 ignored, so only this script acts on it.
+#   step (CANCELLED). Ray's processes start with SIGUSR1 and SIGUSR2 ignored, so only this
+#   script acts on SIGUSR2.
+# - SIGUSR1 is the trainer's stop request (`scancel --full --signal=USR1`, `--signal=USR1@<secs>`
+#   without B: reach every step): this step and its Ray ignore it and keep serving the trainer
+#   while it checkpoints.
 #   Ray dying on its own keeps its status and prints the end of LOG_FILE.
 set -uo pipefail
 
@@ -22,12 +26,13 @@ node=${SLURMD_NODENAME:-$(hostname -s)}
 mkdir -p "$(dirname "$log")" || exit 2
 
 (
-    trap '' USR1 # inherited through exec by ray start and every process it starts
+    trap '' USR1 USR2 # inherited through exec by ray start and every process it starts
     exec "$@"
 ) >>"$log" 2>&1 &
 pid=$!
 stopping=0
-trap 'stopping=1; kill -TERM "$pid" 2>/dev/null' USR1 TERM INT
+trap '' USR1
+trap 'stopping=1; kill -TERM "$pid" 2>/dev/null' USR2 TERM INT
 status=0
 wait "$pid" || status=$?
 # a trapped signal ends `wait` early: wait until ray start has stopped its processes
