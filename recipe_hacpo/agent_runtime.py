@@ -232,6 +232,18 @@ class AgentRuntime:
         self.weights_version = step
         self._rollout_awake = True
 
+    def defer_sync(self, step: int) -> None:
+        """Record that the weights trained up to `step` are the ones to serve, and leave the
+        replica asleep: `generate` syncs them right before this agent's own rollout.
+
+        On a shared pool this keeps one replica awake at a time: a replica left awake after
+        the step's sync would hold its vLLM share while the next agent syncs (for a LoRA agent
+        verl stages the whole merged model on the GPU then), see recipe_hacpo/planner.py."""
+        if self._rollout_awake:
+            self.checkpoint_manager.sleep_replicas()
+            self._rollout_awake = False
+        self.weights_version = step
+
     def worker_processes(self) -> list[str]:
         """`host:pid` of each of this agent's FSDP worker processes (rank order).
 

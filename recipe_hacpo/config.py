@@ -134,6 +134,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     _validate_gpu_memory(cfg, specs)
     _validate_vllm_on_cpu(cfg, specs)
     _validate_lora(cfg, specs)
+    _validate_attention(cfg, specs)
     return specs, hacpo
 
 
@@ -192,6 +193,67 @@ def _validate_vllm_on_cpu(cfg: DictConfig, specs: list[AgentSpec]) -> None:
         problem = vllm_cpu.head_size_problem(s.model_path)
         if problem:
             raise ConfigError(f"agents[{s.index}].model_path={s.model_path!r} ({s.name}): {problem}")
+
+
+# verl's actor, reference and rollout models read the attention kernel from here
+# (verl/workers/config/model.py: `override_config.get("attn_implementation", "flash_attention_2")`)
+ATTN_KEY = "actor_rollout_ref.model.override_config.attn_implementation"
+VERL_DEFAULT_ATTN = "flash_attention_2"
+
+
+def attention_implementation(cfg: DictConfig, spec: AgentSpec) -> str:
+    """The attention kernel verl builds this agent's models with (verl's default when unset)."""
+    override = spec.section(cfg, "model").get("override_config") or {}
+    return str(override.get("attn_implementation") or VERL_DEFAULT_ATTN)
+
+
+def flash_attn_problem() -> str | None:
+    """Why `import flash_attn` fails in this Python (None when it imports).
+
+    Importing, not looking the package up: a flash-attn built against another torch is
+    installed yet fails with an undefined symbol, which is the common case after a torch upgrade.
+    """
+    try:
+        import flash_attn  # noqa: F401
+    except Exception as exc:  # ImportError, OSError (a missing libcudart), undefined symbols
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no module'}"
+    return None
+
+
+def _validate_attention(cfg: DictConfig, specs: list[AgentSpec]) -> None:
+    """The attention kernel each agent's actor is built with, before Ray and vLLM start.
+
+    - flash_attention_2 (verl's default when the key is unset) on a GPU run needs `flash_attn`
+      importable; this is checked where this process sees a GPU (the driver runs on a node of
+      the job), and otherwise verl fails only once Ray and every vLLM server are up.
+    - any other kernel (sdpa, eager) needs `model.use_remove_padding=false`: verl's padding-free
+      path packs a micro-batch's sequences into one row and only its flash-attention patch
+      keeps them apart; with sdpa every sequence would attend to the ones packed before it.
+    """
+    gpu_run = str(cfg.trainer.get("device", "cuda")) != "cpu"
+    for s in specs:
+        attn = attention_implementation(cfg, s)
+        where = f"agents[{s.index}] ({s.name})"
+        if attn.startswith("flash_attention"):
+            if gpu_run and _driver_sees_gpu():
+                problem = flash_attn_problem()
+                if problem:
+                    raise ConfigError(
+                        f"{where}: {ATTN_KEY}={attn}{' (verl default)' if attn == VERL_DEFAULT_ATTN else ''} but flash_attn "
+                        f"does not import here ({problem}); install it (pip install --no-build-isolation -e "
+                        f"'.[flash-attn]') or set {ATTN_KEY}=sdpa and actor_rollout_ref.model.use_remove_padding=false"
+                    )
+        elif bool(s.section(cfg, "model").get("use_remove_padding", True)):
+            raise ConfigError(
+                f"{where}: {ATTN_KEY}={attn} with actor_rollout_ref.model.use_remove_padding=true: verl packs "
+                "sequences into one row and only flash attention keeps them apart; set use_remove_padding=false"
+            )
+
+
+def _driver_sees_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 def _is_custom_resource(name: str) -> bool:

@@ -30,6 +30,8 @@ __all__ = [
     "CROSS_CLIP_MODES",
     "CROSS_RATIO_LENGTHS",
     "CapabilityTracker",
+    "accumulation_dtype",
+    "to_accumulation_dtype",
     "capability_ratio",
     "capability_ratios",
     "capability_baseline",
@@ -412,13 +414,32 @@ def exponential_is_weight(clipped_ratio: torch.Tensor, alpha: float = DEFAULTS.a
 # ---------------------------------------------------------------------------------------
 # §6 the loss
 # ---------------------------------------------------------------------------------------
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype the losses compute in: float32 for bf16/fp16 inputs, the input's own otherwise.
+
+    A bf16 mantissa has 8 bits: a row's token count above 256 is rounded (up to 8 off at 3,000
+    tokens), and a mean of 3,000 log-probs summed in bf16 moves the sequence ratio s_i by ~0.2 %,
+    a fifth of GSPO's clip window. verl hands the loss bf16 log-probs when the model computes
+    in bf16, so every sum, count, ω and ratio is taken in float32 instead (float64 stays float64,
+    and float32 input is left untouched, so the fp32 path is the same arithmetic as before).
+    """
+    return torch.promote_types(dtype, torch.float32) if dtype.is_floating_point else torch.float32
+
+
+def to_accumulation_dtype(x: torch.Tensor) -> torch.Tensor:
+    """x in `accumulation_dtype` (the same tensor when it already is; the cast keeps the gradient)."""
+    return x.to(accumulation_dtype(x.dtype))
+
+
 def _masked_row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of x over each row's masked tokens, [B, T] → [B] (0 for an empty row)."""
     return (x * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
 
 
 def seq_mean_token_mean(loss_mat: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
-    """verl's "seq-mean-token-mean": mean over each row's tokens, then over non-empty rows."""
+    """verl's "seq-mean-token-mean": mean over each row's tokens, then over non-empty rows
+    (summed and counted in `accumulation_dtype`)."""
+    loss_mat = to_accumulation_dtype(loss_mat)
     mask = response_mask.to(loss_mat.dtype)
     tokens = mask.sum(dim=-1)
     row_loss = (loss_mat * mask).sum(dim=-1) / (tokens + 1e-8)
@@ -459,6 +480,9 @@ def hacpo_policy_loss_matrix(
     Each token carries s_{i,t} = sg(s_i)·π_t/sg(π_t), so averaging a row's tokens gives the
     sequence-level value and gradient. The caller aggregates (see `seq_mean_token_mean`,
     or verl's `agg_loss` with its global batch info inside a worker).
+
+    Computed in `accumulation_dtype(log_prob.dtype)` (float32 for bf16 log-probs); the loss
+    matrix comes back in that dtype and the gradient flows back to `log_prob` in its own.
     """
     if cross_clip not in CROSS_CLIP_MODES:
         raise ValueError(f"cross_clip must be one of {CROSS_CLIP_MODES}, got {cross_clip!r}")
@@ -471,10 +495,13 @@ def hacpo_policy_loss_matrix(
             f"log_prob {tuple(log_prob.shape)}, old_log_prob {tuple(old_log_prob.shape)} and "
             f"response_mask {tuple(response_mask.shape)} must all be [B, T]"
         )
+    log_prob = to_accumulation_dtype(log_prob)
+    old_log_prob = old_log_prob.to(torch.promote_types(old_log_prob.dtype, log_prob.dtype))
     mask = response_mask.to(log_prob.dtype)
     is_cross = torch.as_tensor(is_cross, device=log_prob.device).to(torch.bool).reshape(-1)
     omega = torch.as_tensor(omega, device=log_prob.device).to(log_prob.dtype).reshape(-1)
     source_lp = torch.as_tensor(source_log_prob_mean, device=log_prob.device).to(log_prob.dtype).reshape(-1)
+    advantages = advantages.to(torch.promote_types(advantages.dtype, log_prob.dtype))
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1).expand_as(log_prob)
 
     own_log_ratio = _masked_row_mean(log_prob - old_log_prob, mask)  # [B]

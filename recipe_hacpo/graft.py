@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from recipe_hacpo.core_algos import compute_hacpo_advantage
+from recipe_hacpo.core_algos import compute_hacpo_advantage, to_accumulation_dtype
 from recipe_hacpo.hacpo_settings import GRAFT_RATIO_LEVELS, PEER_ORDERS
 from recipe_hacpo.minibatch import check_split, prompt_groups, prompt_permutation, verl_layout
 
@@ -220,7 +220,9 @@ def compatibility_weight(
 # G4 the loss
 # ---------------------------------------------------------------------------------------
 def token_mean(loss_mat: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """verl's "token-mean": Σ over masked tokens / number of masked tokens (0 when none)."""
+    """verl's "token-mean": Σ over masked tokens / number of masked tokens (0 when none),
+    summed and counted in float32 or wider (`core_algos.accumulation_dtype`)."""
+    loss_mat = to_accumulation_dtype(loss_mat)
     mask = mask.to(loss_mat.dtype)
     return (loss_mat * mask).sum() / mask.sum().clamp(min=1)
 
@@ -258,6 +260,9 @@ def graft_policy_loss_matrix(
         response_mask: [B, T], 1 on response tokens of admitted rows.
         weight: w_j from G3, [B] (1 on own rows).
         is_grafted: bool [B] (for the metrics).
+
+    Computed in float32 for bf16/fp16 log-probs (`core_algos.accumulation_dtype`); the matrix
+    comes back in that dtype.
     """
     if ratio_level not in GRAFT_RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {GRAFT_RATIO_LEVELS}, got {ratio_level!r}")
@@ -266,6 +271,9 @@ def graft_policy_loss_matrix(
             f"log_prob {tuple(log_prob.shape)}, old_log_prob {tuple(old_log_prob.shape)} and "
             f"response_mask {tuple(response_mask.shape)} must all be [B, T]"
         )
+    log_prob = to_accumulation_dtype(log_prob)
+    old_log_prob = old_log_prob.to(torch.promote_types(old_log_prob.dtype, log_prob.dtype))
+    advantages = advantages.to(torch.promote_types(advantages.dtype, log_prob.dtype))
     mask = response_mask.to(log_prob.dtype)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1).expand_as(log_prob)
     w = torch.as_tensor(weight, device=log_prob.device).to(log_prob.dtype).reshape(-1, 1)

@@ -41,6 +41,13 @@ def prepare(cfg: DictConfig):
     return specs, hacpo
 
 
+def platform_env(cfg: DictConfig) -> dict[str, str]:
+    """The CPU platform of every Ray worker follows trainer.device, never the worker's view of
+    the host: on (`HACPO_CPU_PLATFORM=1`) for a CPU run, off (`=0`) for any other, so a CPU-only
+    actor on a GPU node cannot pick it (workers/cpu_platform.py)."""
+    return {"HACPO_CPU_PLATFORM": "1" if str(cfg.trainer.get("device", "cuda")) == "cpu" else "0"}
+
+
 def start_ray(cfg: DictConfig) -> None:
     import ray
     from verl.trainer.constants_ppo import get_ppo_ray_runtime_env
@@ -51,6 +58,8 @@ def start_ray(cfg: DictConfig) -> None:
     env_vars = dict(runtime_env.get("env_vars", {}))
     if os.environ.get("HACPO_VERBOSE"):
         env_vars.setdefault("HACPO_VERBOSE", os.environ["HACPO_VERBOSE"])  # recipe_hacpo.quiet
+    for key, value in platform_env(cfg).items():
+        env_vars.setdefault(key, value)  # an explicit runtime_env value wins
     runtime_env["env_vars"] = {k: str(v) for k, v in env_vars.items()}
     init = OmegaConf.to_container(cfg.ray_kwargs.ray_init, resolve=True)
     init["runtime_env"] = OmegaConf.to_container(runtime_env, resolve=True)

@@ -37,10 +37,19 @@ Per GPU of an agent's pool (W GPUs, FSDP shards everything W ways; vLLM tensor p
   2 (K and V) · layers · max(1, KV heads/T) · head dim · bytes per element · max_model_len.
 - Every process on a GPU (per agent: the FSDP worker and vLLM's engine worker) adds about
   1 GiB of CUDA context and NCCL buffers outside those figures.
-- Phases: the trainer syncs weights into every replica at the end of a step and leaves
-  them awake until they have generated, so in a pool shared by several agents all their
-  vLLM shares and all their resident actor states are on the GPU together. During one
-  agent's update the replicas sleep (weights and KV freed).
+- Phases, per GPU of a pool (one replica awake at a time on a shared pool):
+  start-up: every member's vLLM share (each replica reserves it before its first sleep) +
+  every member's resident actor state.
+  rollout of agent j: its vLLM share + every member's resident actor state. An agent of its
+  own pool is synced at the end of a step and stays awake until it generates; an agent of
+  the shared pool is synced right before its own rollout (recipe_hacpo/agent_runtime.py), so
+  the other members' replicas are asleep.
+  sync of agent j: its replica's weights (woken before the KV cache) + the weights the
+  actor hands over: its FSDP weights on the GPU (brought back if offloaded); for a LoRA agent
+  the whole model, unsharded, because verl merges the adapter into a full copy before sending
+  + one transfer bucket (`rollout.checkpoint_engine.update_weights_bucket_megabytes`) + every
+  member's resident state.
+  update of agent j: its training peak + the others' resident state (replicas asleep).
 """
 
 from __future__ import annotations
@@ -244,8 +253,11 @@ class AgentPlan:
     micro_tokens: int = 0  # N: tokens of one training micro-batch on one GPU
     checkpointing: bool = False
     activations: int = 0
-    rollout_need: int = 0  # per GPU while the pool's replicas are awake (set by the pool check)
+    rollout_need: int = 0  # per GPU while this agent's replica is awake (set by the pool check)
     update_need: int = 0  # per GPU during this agent's update
+    sync_need: int = 0  # per GPU while this agent's weights are sent to its replica
+    startup_need: int = 0  # per GPU while the pool's replicas start (each reserves its share)
+    sync_staging: int = 0  # the actor's weights on the GPU during the sync (+ the transfer bucket)
     problems: list[str] = field(default_factory=list)
     note: str = ""
     source: str = ""  # where the shape came from
@@ -331,6 +343,7 @@ def plan_agent(cfg, spec, gpu_memory: int, shape: ModelShape | None) -> AgentPla
     plan.micro_tokens = micro_batch_tokens(cfg, actor)
     plan.checkpointing = bool(model.get("enable_gradient_checkpointing", False))
     plan.activations = plan.micro_tokens * shape.activation_bytes_per_token(plan.checkpointing)
+    plan.sync_staging = sync_staging_bytes(plan, world, rollout)
     rollout_dtype = str(rollout.get("dtype") or "bfloat16")
     merged = bool((model.get("lora") or {}).get("merge", False))
     adapter = BF16_BYTES * plan.lora_params if plan.lora_rank > 0 and not merged else 0
@@ -351,6 +364,16 @@ def plan_agent(cfg, spec, gpu_memory: int, shape: ModelShape | None) -> AgentPla
             "(prompt + response) or raise gpu_memory_utilization"
         )
     return plan
+
+
+def sync_staging_bytes(plan: AgentPlan, world: int, rollout) -> int:
+    """What the actor holds on one GPU while it sends its weights: its FSDP weights (brought back
+    from the host if offloaded; for a LoRA agent the whole base model plus adapter, unsharded,
+    since verl merges the adapter into a full copy first) and one transfer bucket."""
+    bucket = int(float((rollout.get("checkpoint_engine") or {}).get("update_weights_bucket_megabytes", 2048)) * 2**20)
+    if plan.lora_rank > 0:
+        return FP32_WEIGHT_BYTES * (plan.params + plan.lora_params) + bucket
+    return FP32_WEIGHT_BYTES * plan.params // max(1, world) + bucket
 
 
 def micro_batch_tokens(cfg, actor) -> int:
@@ -414,18 +437,42 @@ def _check_pool(members: list[AgentPlan], gpu_memory: int) -> None:
     if not known:
         return
     overhead = int(PROCESS_OVERHEAD_GIB * GIB) * PROCESSES_PER_AGENT * len(members)
-    awake = overhead + sum(m.vllm_share + m.resident for m in members)
+    resident = sum(m.resident for m in members)
+    where = "with the other agents of its shared pool " if shared else ""
+    # start-up: every replica reserves its share before its first sleep, the actors built first
+    startup = overhead + resident + sum(m.vllm_share for m in members)
     for m in members:
-        m.rollout_need = awake
-    if awake > gpu_memory:
-        where = "with the other agents of its shared pool " if shared else ""
+        m.startup_need = startup
+    if shared and startup > gpu_memory:
         for m in members:
             m.problems.append(
-                f"rollout phase {where}needs {_gib(awake)} per GPU "
-                f"(vLLM {' + '.join(_gib(x.vllm_share) for x in members)}, resident actor "
+                f"start-up phase {where}needs {_gib(startup)} per GPU (every replica reserves its vLLM share "
+                f"{' + '.join(_gib(x.vllm_share) for x in members)} before its first sleep, resident actor "
                 f"{' + '.join(_gib(x.resident) for x in members)}, processes {_gib(overhead)}) of {_gib(gpu_memory)}; "
+                "set param_offload=true, optimizer_offload=true and lower gpu_memory_utilization"
+            )
+    for m in members:
+        # one replica awake at a time: each agent's rollout and sync see the others asleep
+        awake = m.rollout_need = overhead + m.vllm_share + resident
+        if awake > gpu_memory:
+            m.problems.append(
+                f"rollout phase {where}needs {_gib(awake)} per GPU "
+                f"(vLLM {_gib(m.vllm_share)}, resident actor {' + '.join(_gib(x.resident) for x in members)}, "
+                f"processes {_gib(overhead)}) of {_gib(gpu_memory)}; "
                 + ("set param_offload=true, optimizer_offload=true and lower gpu_memory_utilization"
                    if shared else "set fsdp_config.param_offload/optimizer_offload=true or lower gpu_memory_utilization")
+            )
+    for m in members:
+        # the actor's own weights are counted once: in the staging, not also as resident
+        own_weights = 0 if (m.param_offload or m.offload_policy) else m.fsdp_weights
+        sync = m.sync_need = overhead + resident - own_weights + m.vllm_weights + m.sync_staging
+        if sync > gpu_memory:
+            m.problems.append(
+                f"sync phase {where}needs {_gib(sync)} per GPU (replica weights {_gib(m.vllm_weights)}, actor weights "
+                f"and transfer bucket {_gib(m.sync_staging)}"
+                + (" (LoRA: the whole merged model)" if m.lora_rank else "")
+                + f", resident actor {_gib(resident - own_weights)}, processes {_gib(overhead)}) of {_gib(gpu_memory)}; "
+                "use more GPUs for this agent or lower rollout.checkpoint_engine.update_weights_bucket_megabytes"
             )
     for m in members:
         others = sum(x.resident for x in members if x is not m)
@@ -483,10 +530,10 @@ def format_plan(plans: list[AgentPlan], gpu_memory_gib: float) -> str:
             f"(one {p.max_model_len}-token sequence needs {_gib(p.kv_needed)})",
         ]
         if p.rollout_need:
-            worst = max(p.rollout_need, p.update_need)
+            worst = max(p.rollout_need, p.update_need, p.sync_need, p.startup_need)
             lines.append(
-                f"    per GPU with processes and the pool's other agents: rollout phase {_gib(p.rollout_need)}, "
-                f"update phase {_gib(p.update_need)} of {gpu_memory_gib:g} GiB"
+                f"    per GPU with processes and the pool's other agents: start-up {_gib(p.startup_need)}, rollout phase {_gib(p.rollout_need)}, "
+                f"sync phase {_gib(p.sync_need)}, update phase {_gib(p.update_need)} of {gpu_memory_gib:g} GiB"
                 + (f" ({_gib(int(gpu_memory_gib * GIB) - worst)} to spare)" if p.fits else "")
             )
         lines += ["    fits"] if p.fits else [f"    DOES NOT FIT: {msg}" for msg in p.problems]

@@ -7,8 +7,10 @@ needs no registry entry: `workers/hacpo_worker.py` installs it on the actor it t
 What is registered:
 
 - the CPU platform (`workers/cpu_platform.py`), only when this process wants it: when
-  `VERL_PLATFORM=cpu`, or when `VERL_PLATFORM` is unset and torch sees no accelerator.
-  On GPU/NPU hosts nothing changes. `HACPO_CPU_PLATFORM=0` opts out entirely.
+  `VERL_PLATFORM=cpu` or `HACPO_CPU_PLATFORM=1` (set for the Ray workers of a
+  trainer.device=cpu run), or, with neither set, on a host without any GPU (no accelerator
+  visible to torch and no GPU kernel driver). On GPU/NPU hosts nothing changes.
+  `HACPO_CPU_PLATFORM=0` opts out entirely.
 - the `hf` rollout backend (`workers/hf_rollout.py` via `workers/verl_touchpoints.py`),
   always: it is inert unless `actor_rollout_ref.rollout.name=hf`.
 - verl's `vllm` rollout name resolved to `workers/vllm_rollout.py` (verl's vLLM rollout with

@@ -494,7 +494,10 @@ class HacpoTrainer:
 
     # ------------------------------------------------------------------ 5 sync
     def sync_weights(self) -> None:
-        self._each(lambda a: a.sync_weights(self.global_step), phase="update_weights")
+        # an agent of the shared pool is synced right before its own rollout (one replica awake
+        # at a time); an agent of its own pool now, so its replica is ready when the step starts
+        self._each(lambda a: a.defer_sync(self.global_step) if a.spec.uses_shared_pool
+                   else a.sync_weights(self.global_step), phase="update_weights")
 
     # ================================================================== validation
     def validate(self) -> dict[str, float]:

@@ -8,6 +8,7 @@ verl never ran. flash-attn compiles against the torch it finds, so it stays out 
 from __future__ import annotations
 
 import importlib.metadata as md
+import re
 import tomllib
 from pathlib import Path
 
@@ -67,3 +68,36 @@ def test_flash_attn_is_a_separate_extra_at_verls_version():
     ours = [Requirement(r) for r in extras["flash-attn"]]
     verl = [r for name, r in _verl_extra("flash-attn-cu130torch211").items() if name == "flash-attn"]
     assert len(ours) == 1 and verl and _pinned(verl[0]) in ours[0].specifier
+
+
+# ------------------------------------------------------------------ the documented GPU install lines
+REPO = PYPROJECT.parent
+_TORCH_LINE = re.compile(r"pip install (torch==\S+) (torchvision==\S+) (torchaudio==\S+) --index-url (\S+)")
+
+
+def _documented_torch_lines() -> list[tuple[str, re.Match]]:
+    found = []
+    for doc in ("README.md", "docs/REPRODUCE.md"):
+        for m in _TORCH_LINE.finditer((REPO / doc).read_text()):
+            found.append((doc, m))
+    return found
+
+
+def test_documented_torch_lines_match_the_gpu_pins_and_the_cuda13_index():
+    from recipe_hacpo.preflight import TORCH_INDEX_URL
+
+    gpu = {canonicalize_name(Requirement(r).name): Requirement(r) for r in _project()["optional-dependencies"]["gpu"]}
+    lines = _documented_torch_lines()
+    assert {doc for doc, _ in lines} == {"README.md", "docs/REPRODUCE.md"}
+    for doc, m in lines:
+        for pinned in m.groups()[:3]:
+            req = Requirement(pinned)
+            assert _pinned(req) == _pinned(gpu[canonicalize_name(req.name)]), f"{doc}: {pinned} != the gpu extra"
+        assert m.group(4) == TORCH_INDEX_URL, f"{doc}: torch index {m.group(4)}; vLLM 0.24.0's wheel needs CUDA 13"
+
+
+def test_no_cuda12_index_is_documented():
+    for doc in ("README.md", "docs/REPRODUCE.md"):
+        text = (REPO / doc).read_text()
+        assert not re.search(r"whl/cu12\d", text), f"{doc} documents a CUDA 12 torch index"
+        assert "R580" in text and "--check-install" in text, f"{doc}: driver floor or post-install check missing"

@@ -83,7 +83,7 @@ def test_every_preset_is_planned_and_fits_without_download(preset):
         assert "model_specs.json" in p.source
         assert p.max_model_len == cfg.data.max_prompt_length + cfg.data.max_response_length
         assert 0 < p.kv_needed < p.kv_budget
-        assert max(p.rollout_need, p.update_need) <= gib * GIB
+        assert max(p.rollout_need, p.update_need, p.sync_need, p.startup_need) <= gib * GIB
         assert 0 < p.activations < p.train_peak
         if preset.endswith(("_4gpu", "_1gpu")):
             assert (p.pool, p.gpus, p.resident) == ("shared", int(preset[-4]), 0)
@@ -128,12 +128,12 @@ def test_two_replicas_at_half_the_gpu_on_a_shared_pool_are_rejected():
     preset = "pair_qwen3-4b-base_qwen3-8b-base"
     shared = ["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"]
     cfg = _compose(preset, _local_models(preset) + shared)
-    with pytest.raises(ConfigError, match=r"rollout phase with the other agents of its shared pool needs"):
+    with pytest.raises(ConfigError, match=r"start-up phase with the other agents of its shared pool needs"):
         validate(cfg)
     # offload alone is not enough: 2 × 0.5 of the GPU plus the processes' own memory
     offload = ["actor_rollout_ref.actor.fsdp_config.param_offload=true",
                "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"]
-    with pytest.raises(ConfigError, match=r"rollout phase"):
+    with pytest.raises(ConfigError, match=r"start-up phase"):
         validate(_compose(preset, _local_models(preset) + shared + offload))
     # what docs/REPRODUCE.md and run_scripts PLACEMENT=shared set
     validate(_compose(preset, _local_models(preset) + shared + offload

@@ -180,17 +180,32 @@ class PlatformCPU(PlatformBase):
         return None
 
 
+# kernel-driver files of a GPU host: present whatever torch, CUDA_VISIBLE_DEVICES or PATH say
+_GPU_DRIVER_FILES = ("/proc/driver/nvidia/version", "/dev/nvidiactl", "/dev/nvidia0", "/dev/kfd")
+_ASKED = {"1", "true", "on", "yes"}
+
+
+def _gpu_driver_present() -> bool:
+    """True on a host with an NVIDIA or AMD GPU kernel driver loaded."""
+    return any(os.path.exists(path) for path in _GPU_DRIVER_FILES)
+
+
 def wants_cpu_platform() -> bool:
     """Whether this process should run verl on the CPU platform.
 
-    `VERL_PLATFORM` is verl's own override and wins when set. Otherwise the CPU platform is
-    chosen exactly when no accelerator is visible, which is also what verl's auto-detection
-    does with it registered (see `PlatformCPU.is_platform_available`).
+    `VERL_PLATFORM` is verl's own override and wins when set; `HACPO_CPU_PLATFORM=1` asks for
+    the CPU platform (`python -m recipe_hacpo.main` sets it for its Ray workers when
+    trainer.device=cpu, and `HACPO_CPU_PLATFORM=0` otherwise). With neither set, the CPU
+    platform is chosen only on a host with no GPU at all: torch sees no accelerator *and* no
+    GPU kernel driver is loaded. A process on a GPU node that merely cannot see its GPU (a
+    CPU-only Ray actor, a CPU build of torch, no nvidia-smi on PATH) never picks it by accident.
     """
     forced = os.environ.get("VERL_PLATFORM", "").strip().lower()
     if forced:
         return forced == PLATFORM_NAME
-    return not _accelerator_present()
+    if os.environ.get("HACPO_CPU_PLATFORM", "").strip().lower() in _ASKED:
+        return True
+    return not _accelerator_present() and not _gpu_driver_present()
 
 
 def register_if_wanted() -> bool:

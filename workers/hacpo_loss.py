@@ -22,7 +22,7 @@ import torch
 from tensordict import TensorDict
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.core_algos import hacpo_policy_loss_matrix
+from recipe_hacpo.core_algos import hacpo_policy_loss_matrix, to_accumulation_dtype
 from recipe_hacpo.hacpo_settings import HacpoSettings
 
 
@@ -95,13 +95,17 @@ def hacpo_actor_loss(
 
 def _micro_batch(actor_config, model_output, data: TensorDict):
     """What every loss of this module reads first: the model's log-probs (and entropy, if
-    computed) padded back to [B, T], verl's batch info with its aggregation, and the update m."""
+    computed) padded back to [B, T], verl's batch info with its aggregation, and the update m.
+
+    Log-probs and entropy come back in float32 when the model hands them over in bf16/fp16
+    (`core_algos.accumulation_dtype`), so every sum, count and ratio of the losses below (the
+    NLL, entropy and KL terms included) is taken in float32; float32 input is left as it is."""
     from verl.workers.utils.padding import no_padding_2_padding
 
-    log_prob = no_padding_2_padding(model_output["log_probs"], data)
+    log_prob = to_accumulation_dtype(no_padding_2_padding(model_output["log_probs"], data))
     entropy = model_output.get("entropy", None)
     if entropy is not None:
-        entropy = no_padding_2_padding(entropy, data)
+        entropy = to_accumulation_dtype(no_padding_2_padding(entropy, data))
     batch_info, aggregation = _batch_info(actor_config, data)
     return log_prob, entropy, batch_info, aggregation, _update_index(data)
 
