@@ -96,6 +96,10 @@ class HacpoTrainer:
     # the background conversions (exchange_jobs.py); None: every conversion runs in the exchange
     # phase (trainer.exchange_workers=0, and trainers assembled without init_workers)
     exchange_jobs: ExchangeJobs | None = None
+    # the step in flight, for a stop signal's decision (preemption.py); None between steps and in
+    # trainers assembled without __init__ (tests' stand-ins)
+    _step_started: float | None = None
+    _step_decision: str | None = None
 
     def __init__(self, config: DictConfig, specs: list[AgentSpec], hacpo: HacpoSettings) -> None:
         self.config = config

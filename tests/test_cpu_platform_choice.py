@@ -6,6 +6,9 @@ tells its Ray workers which one from trainer.device. No Ray here."""
 from __future__ import annotations
 
 import pytest
+import verl  # noqa: F401  (verl's plugins register the platform now, on this host as it is: the
+# tests below pretend to be other hosts, and a first `import verl` inside one of them would leave
+# this test process without the CPU platform for every later test)
 from omegaconf import OmegaConf
 
 from recipe_hacpo.main import platform_env

@@ -8,6 +8,7 @@ from collections.abc import Iterable
 import torch
 from recipe_hacpo.workers.hf_sampling import Sampling
 from recipe_hacpo.workers.seeded_sampling import SeededRowSampler
+from recipe_hacpo.workers.vocab_tail import ban_vocab_tail
 from verl.workers.config import HFModelConfig, RolloutConfig
 
 BACKEND_NAME = "hf"
