@@ -62,15 +62,19 @@ KIND_MATRIX = {
 }
 # engine log-prob vs trainer old log-prob of the same sampled token, after a sync (fp32 on CPU)
 SYNC_TOLERANCE = 1e-5
-# Qwen3 (q/k norm, rope_theta 1e6): vLLM's CPU kernels and the trainer's HF model agree to
-# 1.5e-4-2.1e-4 per token at most after a sync (measured), not 1e-6 as every other kind here;
-# the cause is not yet isolated. A withheld sync or an unsynced output layer is 1e-2 and more.
-QWEN3_SYNC_TOLERANCE = 5e-4
+# The presets' architectures with the real 128k-152k vocabularies agree less closely after a sync
+# than the small-vocabulary kinds (1e-6), measured after the vocabulary-tail ban: Llama-3.2 tied
+# 2.2e-5 at most, Qwen3 (q/k norm, rope_theta 1e6) 1.5e-4-2.1e-4; the cause of Qwen3's gap is not
+# yet isolated. A withheld sync or an unsynced output layer is 1e-2 and more.
+REAL_VOCAB_SYNC_TOLERANCE = {"Llama": 1e-4, "Qwen3": 5e-4}
 
 
 def _tolerance(name: str) -> float:
     kind = next(k for k, n in NAMES.items() if n == name)
-    return QWEN3_SYNC_TOLERANCE if KIND_MATRIX[kind][0] == "Qwen3" else SYNC_TOLERANCE
+    arch, _, _, vocab = KIND_MATRIX[kind]
+    return REAL_VOCAB_SYNC_TOLERANCE[arch] if vocab > 100_000 else SYNC_TOLERANCE
+
+
 # metrics that measure the machine or the engine's numerics, not the training
 _NOT_TRAINING = ("timing_s/", "perf/", "/rollout/log_prob_diff")
 
