@@ -318,8 +318,14 @@ def build_real_arch_model(spec: RealArchSpec, tokenizer: PreTrainedTokenizerFast
         config, cls = LlamaConfig(**common, mlp_bias=False, rope_parameters=rope), LlamaForCausalLM
     else:
         raise ValueError(f"unknown arch {spec.arch!r}")
+    return _random_init(cls, config, seed)
+
+
+def _random_init(cls, config, seed: int) -> PreTrainedModel:
+    """`cls(config)` in float32 with sdpa attention, its weights drawn from `seed`."""
     config.dtype = torch.float32
     config._attn_implementation = "sdpa"
+    # Seed just around init so building one agent never shifts another agent's weights.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = cls(config)
@@ -348,13 +354,7 @@ def build_model(spec: TinyModelSpec, tokenizer: PreTrainedTokenizerFast, seed: i
         config, cls = LlamaConfig(**common), LlamaForCausalLM
     else:
         raise ValueError(f"unknown arch {spec.arch!r}")
-    config.dtype = torch.float32
-    config._attn_implementation = "sdpa"
-    # Seed just around init so building one agent never shifts another agent's weights.
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = cls(config)
-    return model.to(torch.float32).eval()
+    return _random_init(cls, config, seed)
 
 
 def _generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
