@@ -131,9 +131,15 @@ def agent_precision(agent_config: Any) -> str:
     """The precision of one agent's two sides, read from its verl config (`actor_rollout_ref`).
 
     verl computes the actor in `fsdp_config.mixed_precision.param_dtype` (bf16 when unset) and
-    runs the engine in `rollout.dtype`.
+    runs the engine in `rollout.dtype`. A LoRA actor synced with `model.lora.merge=true` is bf16
+    on the engine side whatever both dtypes say: verl's FSDP engine sends the merged weights
+    rounded to bfloat16 (`FSDPEngine._merged_lora_per_tensor_param`), measured on a tiny fp32
+    Qwen2 as max |Δ| 4e-3, mean 6e-4 per token against ~1e-6 unmerged.
     """
     arr = agent_config.actor_rollout_ref
+    model = arr.get("model") or {}
+    if (model.get("lora_rank") or 0) > 0 and bool((model.get("lora") or {}).get("merge", False)):
+        return "bf16"
     mixed = (arr.actor.get("fsdp_config") or {}).get("mixed_precision") or {}
     return precision_of(mixed.get("param_dtype", "bf16"), arr.rollout.get("dtype", "bfloat16"))
 

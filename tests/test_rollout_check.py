@@ -112,6 +112,11 @@ def test_precision_is_fp32_only_when_both_sides_are():
     assert agent_precision(demo) == "fp32"  # the CPU demo computes fp32 on both sides
     gpu = _compose(["actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16"])
     assert agent_precision(gpu) == "bf16"
+    # verl sends a merged LoRA actor's weights to the engine in bfloat16, whatever the dtypes say
+    merged = _compose(["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora.merge=true"])
+    assert agent_precision(merged) == "bf16"
+    unmerged = _compose(["actor_rollout_ref.model.lora_rank=8"])
+    assert agent_precision(unmerged) == "fp32"
 
 
 # ------------------------------------------------------------------ config
