@@ -501,6 +501,11 @@ if [[ " $* " == *" recipe_hacpo.main "* ]]; then
     if ((status == 75)); then
         printf '{"resumed_from": %s, "step": %s, "reason": "SIGUSR1 received", "signals": ["SIGUSR1"]}' \
             "${STANDIN_FROM:-0}" "${STANDIN_TO:-3}" >"$record"
+        if [[ -n ${STANDIN_LATE_USR1:-} ]]; then
+            # a stop request that reaches the batch shell once this trainer has exited
+            (while kill -0 $$ 2>/dev/null; do sleep 0.01; done
+             kill -USR1 "$PPID"; touch "$STANDIN_LATE_USR1") >/dev/null 2>&1 &
+        fi
     fi
     exit "$status"
 fi
@@ -517,7 +522,9 @@ def resumable(standins, tmp_path):
     (bin_dir / "python").write_text(RESUMABLE_TRAINER)
     (bin_dir / "scontrol").write_text(STANDIN.replace(
         "    scontrol) [[ $1 == show && $2 == hostnames ]]",
-        '    scontrol) [[ $1 == show && $2 == job ]] && echo "JobId=$3 Requeue=${STANDIN_REQUEUE:-1} Restarts=0"\n'
+        '    scontrol) if [[ $1 == show && $2 == job && -n ${STANDIN_LATE_USR1:-} ]]; then\n'
+        '            for _ in $(seq 500); do [[ -e $STANDIN_LATE_USR1 ]] && break; sleep 0.01; done; fi\n'
+        '        [[ $1 == show && $2 == job ]] && echo "JobId=$3 Requeue=${STANDIN_REQUEUE:-1} Restarts=0"\n'
         "        [[ $1 == show && $2 == hostnames ]]"))
     for f in bin_dir.iterdir():
         f.chmod(0o755)
@@ -547,6 +554,18 @@ def test_slurm_requeues_a_run_stopped_to_be_resumed_after_stopping_ray(resumable
     assert names.index("srun-stopped") < [a for a, _ in calls].index(["scontrol", "requeue", "4242"])
     assert "checkpoint step 5 (this run resumed from step 2)" in proc.stdout
     assert "hacpo: requeueing job 4242 (restart 1)" in proc.stdout
+    assert (tmp_path / "logs" / "stalls").read_text().strip() == "0"
+
+
+def test_slurm_ignores_a_stop_request_that_arrives_after_the_trainer_ended(resumable, tmp_path):
+    # a second preemption notice that Slurm delivers late: the run stays a run that made progress
+    sent = tmp_path / "late_usr1_sent"
+    proc, calls = resumable(STANDIN_TRAINER_STATUS="75", STANDIN_FROM="2", STANDIN_TO="5", STANDIN_LATE_USR1=str(sent))
+    assert sent.exists(), proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "hacpo: SIGUSR1 received after the trainer ended; ignored" in proc.stdout
+    assert "checkpoint step 5 (this run resumed from step 2)" in proc.stdout
+    assert _requeues(calls) == [["scontrol", "requeue", "4242"]]
     assert (tmp_path / "logs" / "stalls").read_text().strip() == "0"
 
 
