@@ -117,10 +117,10 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
             f"algorithm.hacpo.mode={hacpo.mode}: sharing needs at least 2 agents, got {len(specs)}; "
             "add an agent or use mode=isolated"
         )
-    if hacpo.mode == "graft":
-        _validate_graft(cfg, specs)
-    if hacpo.replay_peer is not None:
-        _validate_replay(hacpo.replay_peer, specs)
+    from recipe_hacpo.methods import method_for
+
+    # the method's own checks (its keys, the agents it can train): recipe_hacpo/methods/
+    method_for(hacpo.mode).validate(specs, hacpo, {s.name: _data_parallel_world(cfg, s) for s in specs})
 
     master_port_ranges(cfg.trainer.master_port_range, [s.name for s in specs])  # one line if unusable
     _validate_rollout_check(cfg, specs)
@@ -325,7 +325,7 @@ def _validate_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
                 f"agents[{s.index}] ({s.name}): data.train_batch_size={batch} is not divisible by "
                 f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}; pick a mini-batch that divides the batch"
             )
-        world = max(1, s.n_gpus_per_node * s.nnodes) if not s.uses_shared_pool else _shared_world(cfg)
+        world = _data_parallel_world(cfg, s)
         rows_per_mini = mini * _rows_per_prompt(specs, s, cfg)
         if rows_per_mini % world != 0:
             raise ConfigError(
@@ -366,7 +366,7 @@ def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> Non
                 f"agents[{s.index}] ({s.name}): actor_rollout_ref.actor.shuffle=true breaks the prompt groups of "
                 "HACPO's mini-batches (own and cross rows together); set it to false"
             )
-        world = max(1, s.n_gpus_per_node * s.nnodes) if not s.uses_shared_pool else _shared_world(cfg)
+        world = _data_parallel_world(cfg, s)
         dp = max(1, world // int(actor.get("ulysses_sequence_parallel_size", 1) or 1))
         mini = int(actor.ppo_mini_batch_size)
         if mini % dp != 0:
@@ -376,52 +376,16 @@ def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> Non
             )
 
 
-def _validate_graft(cfg: DictConfig, specs: list[AgentSpec]) -> None:
-    """mode=graft replaces a receiver's group by a source's whole group: every group must have the
-    same size n (so the mini-batches keep theirs), and the receiver's extra old-log-prob pass over
-    grafted groups must split evenly over its GPUs."""
-    sizes = {s.rollout_n for s in specs}
-    if len(sizes) > 1:
-        listed = ", ".join(f"{s.name} {s.rollout_n}" for s in specs)
-        raise ConfigError(
-            f"algorithm.hacpo.mode=graft: every agent needs the same rollout_n (a grafted group replaces a whole "
-            f"group), got {listed}; set agents_rollout_n"
-        )
-    for s in specs:
-        world = max(1, s.n_gpus_per_node * s.nnodes) if not s.uses_shared_pool else _shared_world(cfg)
-        if s.rollout_n % world != 0:
-            raise ConfigError(
-                f"agents[{s.index}] ({s.name}): rollout_n={s.rollout_n} does not split over its {world} GPUs; "
-                "mode=graft scores grafted groups on the receiver's GPUs, so pick a multiple of the GPU count"
-            )
-
-
-def _validate_replay(agent_dir: str, specs: list[AgentSpec]) -> None:
-    """GRAFT's replay trains one agent alone against a recorded peer of the same group size."""
-    from recipe_hacpo.replay import read_manifest
-
-    if len(specs) != 1:
-        raise ConfigError(
-            f"algorithm.hacpo.replay_peer: trains one agent alone against the recording, got {len(specs)} agents "
-            f"({', '.join(s.name for s in specs)})"
-        )
-    manifest = read_manifest(agent_dir)
-    if int(manifest["rollout_n"]) != specs[0].rollout_n:
-        raise ConfigError(
-            f"agents[0] ({specs[0].name}): rollout_n={specs[0].rollout_n} but the recorded peer "
-            f"{manifest['name']!r} sampled {manifest['rollout_n']} per prompt; a grafted group replaces a whole group, "
-            "so set them equal"
-        )
+def _data_parallel_world(cfg: DictConfig, spec: AgentSpec) -> int:
+    """The GPUs (data-parallel ranks) an agent's actor runs on."""
+    return max(1, spec.n_gpus_per_node * spec.nnodes) if not spec.uses_shared_pool else _shared_world(cfg)
 
 
 def _rows_per_prompt(specs: list[AgentSpec], learner: AgentSpec, cfg: DictConfig) -> int:
-    if hacpo_settings(cfg).mode == "graft":
-        return learner.rollout_n  # one agent's whole group per prompt
-    if hacpo_settings(cfg).mode == "sgt":
-        return learner.rollout_n + 1  # the learner's own group and its imitation slot
-    if hacpo_settings(cfg).shares:
-        return sum(s.rollout_n for s in specs)
-    return learner.rollout_n
+    from recipe_hacpo.methods import method_for
+
+    settings = hacpo_settings(cfg)
+    return method_for(settings.mode).rows_per_prompt(specs, learner, settings)
 
 
 def _shared_world(cfg: DictConfig) -> int:

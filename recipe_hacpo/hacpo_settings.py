@@ -15,6 +15,7 @@ Pure Python (no torch, no OmegaConf), so `core_algos` can import it.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any
 
@@ -25,6 +26,10 @@ MODES = ("hacpo", "naive", "isolated", "graft", "sgt")
 no sharing (the GSPO / GRPO / GSPO×2 baselines) | graft: GRAFT's whole-group replacement
 (docs/ALGORITHM.md, GRAFT) | sgt: GRPO plus λ·NLL of one correct peer response where the
 receiver failed (docs/ALGORITHM.md, SGT)."""
+
+EXTERNAL_METHOD = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+"""`mode` may also name a method outside the package by import path, `package.module:Class` (a
+`recipe_hacpo.methods.Method` subclass; docs/ALGORITHM.md, "Adding a method")."""
 
 GRAFT_RATIO_LEVELS = ("token", "sequence")
 """GRAFT's ratio (G4): per token (the method) or one per sequence (ablation)."""
@@ -240,7 +245,10 @@ def _coerce(f, value: Any) -> Any:
     if kind == "str":
         if value in f.metadata["choices"]:
             return value
-        raise ConfigError(f"{_at(f.name, value)}: must be one of {', '.join(f.metadata['choices'])}")
+        if f.name == "mode" and isinstance(value, str) and EXTERNAL_METHOD.match(value):
+            return value  # a method outside the package, imported by recipe_hacpo.methods.method_for
+        extra = " or package.module:Class (a method outside the package)" if f.name == "mode" else ""
+        raise ConfigError(f"{_at(f.name, value)}: must be one of {', '.join(f.metadata['choices'])}{extra}")
     if kind == "int":
         number = _number(value)
         if number is not None and number.is_integer():

@@ -19,26 +19,24 @@ Replay (`algorithm.hacpo.mode=graft`, `algorithm.hacpo.replay_peer=DIR/<agent>`,
     R4  everything after the selection is GRAFT's: S's GRPO advantages on its full recorded group,
         R's old log-probs of the re-tokenized rows and w against S's recorded mean log-prob (gate
         δ), the token-level loss against R's own old policy, peer-last mini-batches
+
+This module records, reads and checks recordings; the step's exchange against one
+(`replay_exchange`) is GRAFT's, in recipe_hacpo/methods/graft.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
 
 import torch
 
-from recipe_hacpo import batch_keys as K
 from recipe_hacpo.atomic_io import atomic_write_json, fsync_dir
 from recipe_hacpo.graft import complementary_candidates
 from recipe_hacpo.hacpo_settings import ConfigError
 from recipe_hacpo.scoring import attach_rewards
 from verl import DataProto
 
-if TYPE_CHECKING:
-    from recipe_hacpo.exchange import RolloutExchange
-    from recipe_hacpo.trainer import HacpoTrainer
 
 MANIFEST = "manifest.json"
 
@@ -145,37 +143,3 @@ class RecordedPeer:
         recorded = self.load(step, live)
         attach_rewards(recorded, verifier.score(recorded, self.tokenizer))
         return recorded
-
-
-def replay_exchange(trainer: "HacpoTrainer", rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
-    """The receiver's learner batch against the recorded peer: per prompt its own group or the
-    recorded whole group (R3), then GRAFT's w and gate (R4)."""
-    from recipe_hacpo.graft_trainer import correct_counts, graft_batches, weigh_grafted_rows, with_group_advantages
-
-    peer: RecordedPeer = trainer.replay_peer
-    (learner,) = trainer.specs
-    jobs = getattr(trainer, "exchange_jobs", None)
-    if jobs is not None and jobs.started(peer.key):
-        # loaded, checked, decoded and converted in the background since the live rollouts returned
-        recorded = jobs.batch(peer.key)
-        attach_rewards(recorded, trainer.verifier.score(recorded, peer.tokenizer, texts=jobs.texts(peer.key)))
-    else:
-        recorded = peer.rollouts(trainer.global_step, rollouts[learner.name], trainer.verifier)
-    sources = {learner.name: rollouts[learner.name], peer.key: recorded}
-    with_group_advantages(sources)
-    uids, correct = correct_counts(sources, [learner.name, peer.key])
-    taken = replay_selection(correct, peer.rollout_n)
-    source_of = torch.where(taken, 1, -1).unsqueeze(0)  # [N_R = 1, Q]: 1 = the recorded peer
-    converter: RolloutExchange = trainer.replay_exchange
-
-    def convert(source: str, name: str, rows: torch.Tensor) -> DataProto:
-        if jobs is not None and jobs.started(source):
-            return jobs.convert(source, name, sources[source], rows)
-        return converter.convert(sources[source].select_idxs(rows))
-
-    batches = graft_batches(sources, [learner.name, peer.key], source_of, uids, {learner.name: 0}, convert)
-    metrics[f"agent/{learner.name}/graft/groups_received"] = float(taken.sum())
-    metrics[f"agent/{learner.name}/replay/reward_mean"] = float(recorded.batch[K.REWARD].mean())
-    weigh_grafted_rows(trainer, batches, metrics)
-    metrics[f"agent/{learner.name}/cross/rows"] = float(batches[learner.name].batch[K.IS_CROSS].sum())
-    return batches

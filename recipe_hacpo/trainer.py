@@ -40,25 +40,10 @@ from recipe_hacpo import batch_keys as K
 from recipe_hacpo.agent_runtime import AgentRuntime
 from recipe_hacpo.atomic_io import atomic_write_text, replace_dir
 from recipe_hacpo.config import AgentSpec, HacpoSettings, agent_verl_config, rollout_check
-from recipe_hacpo.core_algos import (
-    CapabilityTracker,
-    capability_baseline,
-    capability_ratio,
-    compute_hacpo_advantage,
-)
+from recipe_hacpo.core_algos import CapabilityTracker
 from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
-from recipe_hacpo.exchange_jobs import ExchangeJobs, convert_peer_rows, exchange_workers
-from recipe_hacpo.graft_trainer import (
-    complementary_sources,
-    graft_advantages,
-    graft_exchange,
-    imitation_nll,
-    mark_selected,
-    peer_clip_fraction,
-    selection_metrics,
-    sgt_advantages,
-    sgt_exchange,
-)
+from recipe_hacpo.exchange_jobs import ExchangeJobs, exchange_workers
+from recipe_hacpo.methods import Method, method_for
 from recipe_hacpo.placement import check_ray_cluster, make_pool, master_port_ranges, request_for
 from recipe_hacpo.reliability import (
     LATEST_FILE,
@@ -82,15 +67,12 @@ from recipe_hacpo.preemption import (
     StopSignals,
     slurm_end_time,
 )
-from recipe_hacpo.replay import RecordedPeer, record_rollouts, replay_exchange
+from recipe_hacpo.replay import RecordedPeer, record_rollouts
 from recipe_hacpo.scoring import Verifier, attach_rewards, decode_responses, load_reward_fn
 from verl import DataProto
 from verl.utils.profiler.performance import simple_timer
 
 T = TypeVar("T")
-
-_LEARNER_NON_TENSOR = ("uid", "data_source", "reward_model", "raw_prompt", "extra_info", K.RESPONSE_TEXT)
-
 
 class HacpoTrainer:
     # the background conversions (exchange_jobs.py); None: every conversion runs in the exchange
@@ -100,6 +82,11 @@ class HacpoTrainer:
     # trainers assembled without __init__ (tests' stand-ins)
     _step_started: float | None = None
     _step_decision: str | None = None
+
+    @property
+    def method(self) -> Method:
+        """The parts of the step in which methods differ (recipe_hacpo/methods/), by `algorithm.hacpo.mode`."""
+        return method_for(self.hacpo.mode)
 
     def __init__(self, config: DictConfig, specs: list[AgentSpec], hacpo: HacpoSettings) -> None:
         self.config = config
@@ -143,14 +130,14 @@ class HacpoTrainer:
             OmegaConf.update(agent.config, "actor_rollout_ref.actor.optim.total_training_steps", total_steps, force_add=True)
         # agents on their own pools build at once (each mostly waits on its own Ray actors
         # starting); agents on the shared pool build in turn; a failure names its agent
-        self._each(lambda a: a.build(self.hacpo, shared if a.spec.uses_shared_pool else None))
+        self.for_each_agent(lambda a: a.build(self.hacpo, shared if a.spec.uses_shared_pool else None))
         self.exchanges = self._build_exchanges()
         converters = dict(self.exchanges)
         if self.hacpo.replay_peer is not None:  # GRAFT against a recorded peer (replay.py); one live agent
             self.replay_peer = RecordedPeer(self.hacpo.replay_peer)
             (learner,) = self.agents.values()
-            self.replay_exchange = self._converter(self.replay_peer.tokenizer, self.replay_peer.eos_token_ids, learner)
-            converters[(self.replay_peer.key, learner.spec.name)] = self.replay_exchange
+            self.replay_converter = self._converter(self.replay_peer.tokenizer, self.replay_peer.eos_token_ids, learner)
+            converters[(self.replay_peer.key, learner.spec.name)] = self.replay_converter
         workers = exchange_workers(self.config.trainer.get("exchange_workers"), len(self.specs))
         if workers:
             self.exchange_jobs = ExchangeJobs(converters, decode_responses, workers)
@@ -181,7 +168,7 @@ class HacpoTrainer:
             chat_template_kwargs=OmegaConf.to_container(template_kwargs, resolve=True) if template_kwargs else {},
         )
 
-    def _each(self, fn: Callable[[AgentRuntime], T], phase: str | None = None) -> dict[str, T]:
+    def for_each_agent(self, fn: Callable[[AgentRuntime], T], phase: str | None = None) -> dict[str, T]:
         """Run `fn` for every agent: concurrently across own pools, in turn on the shared pool.
 
         With `phase`, each agent's own time is recorded as `agent/<name>/timing_s/<phase>`.
@@ -301,7 +288,7 @@ class HacpoTrainer:
 
     # ------------------------------------------------------------------ 1 generate
     def generate(self, prompts: DataProto) -> dict[str, DataProto]:
-        return self._each(lambda a: self._rollouts_ready(a, a.generate(prompts, step=self.global_step)), phase="gen")
+        return self.for_each_agent(lambda a: self._rollouts_ready(a, a.generate(prompts, step=self.global_step)), phase="gen")
 
     def _rollouts_ready(self, agent: AgentRuntime, batch: DataProto) -> DataProto:
         """Start, in the background, the decoding of `agent`'s responses and their conversion for
@@ -315,11 +302,8 @@ class HacpoTrainer:
         return batch
 
     def _peer_learners(self, source: str) -> list[str]:
-        """The learners whose batches may hold `source`'s rows re-tokenized: every peer when the
-        mode shares (hacpo / naive, graft, sgt), none otherwise or against a recording."""
-        if not self.hacpo.shares or self.hacpo.replay_peer is not None:
-            return []
-        return [s.name for s in self.specs if s.name != source]
+        """The learners whose batches may hold `source`'s rows re-tokenized (the method's say)."""
+        return self.method.peer_learners(self.specs, self.hacpo, source)
 
     # ------------------------------------------------------------------ 2 score
     def score(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
@@ -338,7 +322,7 @@ class HacpoTrainer:
 
     # ------------------------------------------------------------------ 3 old log-probs
     def old_log_probs(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
-        old = self._each(lambda a: a.old_log_prob(rollouts[a.spec.name]), phase="old_log_prob")
+        old = self.for_each_agent(lambda a: a.old_log_prob(rollouts[a.spec.name]), phase="old_log_prob")
         for name, batch in rollouts.items():
             lp = old[name]
             if not torch.isfinite(lp[batch.batch["response_mask"].bool()]).all():
@@ -385,104 +369,41 @@ class HacpoTrainer:
 
     # ------------------------------------------------------------------ 4 exchange
     def exchange(self, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
-        """Learner batches: own rows, then (when sharing) every peer's rows in its tokenization,
-        with share_selection=complementary only GRAFT's selected peer rows in the loss; in mode
-        graft, per prompt the receiver's own group or one source's whole group; in mode sgt, own
-        rows plus one imitation slot per prompt group."""
-        if self.hacpo.mode == "graft":
-            if self.hacpo.replay_peer is not None:
-                return replay_exchange(self, rollouts, metrics)
-            return graft_exchange(self, rollouts, metrics)
-        if self.hacpo.mode == "sgt":
-            return sgt_exchange(self, rollouts, metrics)
-        caps = self.tracker.capabilities()
-        # share_selection=complementary: GRAFT's G1 picks, per learner and prompt, the one peer
-        # whose rows enter the loss (None: every peer row, the methods as published)
-        selection = complementary_sources(self, rollouts) if self.hacpo.selects_complementary else None
-        batches = {}
-        for learner in self.specs:
-            parts = [_tag(rollouts[learner.name], source=learner.index, cross=False, omega=1.0)]
-            if self.hacpo.shares:
-                for src in self.specs:
-                    if src.name == learner.name:
-                        continue
-                    converted = convert_peer_rows(self, src.name, learner.name, rollouts[src.name])
-                    omega = capability_ratio(caps, src.index, learner.index, self.hacpo.omega_clip)
-                    if not self.effective.discrepancy_coefficient:
-                        omega = 1.0
-                    parts.append(_tag(converted, source=src.index, cross=True, omega=omega))
-                    metrics[f"agent/{learner.name}/omega/{src.name}"] = omega
-            if selection is not None:
-                parts = [mark_selected(p, selection, learner.index) for p in parts]
-            batch = _concat_rows(parts)
-            metrics[f"agent/{learner.name}/cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
-            if selection is not None:
-                metrics.update(selection_metrics(learner.name, batch, selection, learner.index))
-            batches[learner.name] = batch
-        return batches
+        """Learner batches from the step's rollouts, as the method builds them: in mode hacpo /
+        naive own rows and every peer's rows in the learner's tokenization (GRAFT's selected ones
+        only with share_selection=complementary), in mode graft per prompt the receiver's own
+        group or one source's whole group, in mode sgt own rows plus one imitation slot per group."""
+        return self.method.exchange(self, rollouts, metrics)
 
     def advantages(self, batches: dict[str, DataProto], metrics: dict) -> None:
-        if self.hacpo.mode == "graft":
-            return graft_advantages(batches, metrics)
-        if self.hacpo.mode == "sgt":
-            return sgt_advantages(batches, metrics)
-        caps = self.tracker.capabilities()
-        for learner in self.specs:
-            batch = batches[learner.name]
-            group = (batch.batch[K.REWARD], batch.non_tensor_batch["uid"], batch.batch[K.SOURCE], learner.index, caps)
-            # share_selection=complementary: the group statistics run over the selected rows only
-            valid = batch.batch[K.SELECTED] if K.SELECTED in batch.batch.keys() else None
-            options = dict(
-                use_capability_baseline=self.effective.capability_baseline,
-                omega_clip=self.hacpo.omega_clip,
-                baseline_cap=self.hacpo.baseline_cap,
-                valid=valid,
-            )
-            adv = compute_hacpo_advantage(*group, norm_by_std=self.hacpo.norm_by_std, **options)
-            _, guarded = capability_baseline(*group, **options)
-            mask = batch.batch["response_mask"]
-            batch.batch["advantages"] = adv.float().unsqueeze(-1) * mask
-            batch.batch["returns"] = batch.batch["advantages"]
-            shown = adv if valid is None else adv[valid]  # over the rows that train
-            metrics[f"agent/{learner.name}/advantage/mean"] = float(shown.mean())
-            metrics[f"agent/{learner.name}/advantage/abs_mean"] = float(shown.abs().mean())
-            # groups (prompts) of this step whose baseline the §2 guard replaced by the own mean
-            guarded_uids = batch.non_tensor_batch["uid"][guarded.numpy()]
-            metrics[f"agent/{learner.name}/advantage/guard_groups"] = float(len(set(guarded_uids.tolist())))
+        """Every learner row's advantage, as the method defines it (HACPO: §2's capability-aware
+        group advantage; GRAFT and SGT: each source's GRPO advantage on its own group)."""
+        self.method.advantages(self, batches, metrics)
 
     def ref_log_probs(self, batches: dict[str, DataProto]) -> None:
-        ref = self._each(lambda a: a.ref_log_prob(batches[a.spec.name]) if a.use_ref else None, phase="ref")
+        ref = self.for_each_agent(lambda a: a.ref_log_prob(batches[a.spec.name]) if a.use_ref else None, phase="ref")
         for name, lp in ref.items():
             if lp is not None:
                 batches[name].batch["ref_log_prob"] = lp
 
     def update(self, batches: dict[str, DataProto], metrics: dict) -> None:
-        graft = self.hacpo.mode == "graft"
-        sgt = self.hacpo.mode == "sgt"
-
-        def rows_per_prompt(spec: AgentSpec) -> int:
-            # graft: each group is one agent's whole group (config.py checks that every n is equal);
-            # sgt: the learner's own group and its one imitation slot
-            if sgt:
-                return spec.rollout_n + 1
-            return sum(s.rollout_n for s in self.specs) if self.hacpo.shares and not graft else spec.rollout_n
-
+        method = self.method
         for name, batch in batches.items():
             check_learner_batch(name, batch, self.global_step)
         self._dump_learner_batches(batches)
-        order = self.hacpo.graft_order if graft else None
-        out = self._each(
-            lambda a: a.update(batches[a.spec.name], rows_per_prompt(a.spec), peer_order=order), phase="update_actor"
+        order = method.peer_order(self.hacpo)
+        out = self.for_each_agent(
+            lambda a: a.update(batches[a.spec.name], method.rows_per_prompt(self.specs, a.spec, self.hacpo),
+                               peer_order=order),
+            phase="update_actor",
         )
+        groups = ("actor/", "hacpo/", *method.metric_groups)
         for name, agent_metrics in out.items():
             agent_metrics.update(check_update_metrics(name, agent_metrics))
-            if graft and peer_clip_fraction(agent_metrics) is not None:
-                agent_metrics["graft/peer_clipfrac"] = peer_clip_fraction(agent_metrics)
-            if sgt and imitation_nll(agent_metrics) is not None:
-                agent_metrics["sgt/nll"] = imitation_nll(agent_metrics)
+            agent_metrics.update(method.step_metrics(agent_metrics))
             for key, value in agent_metrics.items():
                 # verl's worker reports loss, grad_norm, lr, perf/... bare; group them under actor/
-                group = key if key.startswith(("actor/", "hacpo/", "graft/", "sgt/")) else f"actor/{key}"
+                group = key if key.startswith(groups) else f"actor/{key}"
                 metrics[f"agent/{name}/{group}"] = value
 
     def _dump_learner_batches(self, batches: dict[str, DataProto]) -> None:
@@ -500,7 +421,7 @@ class HacpoTrainer:
     def sync_weights(self) -> None:
         # an agent of the shared pool is synced right before its own rollout (one replica awake
         # at a time); an agent of its own pool now, so its replica is ready when the step starts
-        self._each(lambda a: a.defer_sync(self.global_step) if a.spec.uses_shared_pool
+        self.for_each_agent(lambda a: a.defer_sync(self.global_step) if a.spec.uses_shared_pool
                    else a.sync_weights(self.global_step), phase="update_weights")
 
     # ================================================================== validation
@@ -512,7 +433,7 @@ class HacpoTrainer:
         for batch_dict in self.val_dataloader:
             prompts = DataProto.from_single_dict(batch_dict)
             prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
-            outputs = self._each(lambda a: a.generate(prompts, validate=True, step=self.global_step))
+            outputs = self.for_each_agent(lambda a: a.generate(prompts, validate=True, step=self.global_step))
             for name, out in outputs.items():
                 outcome = self.verifier.score(out, self.agents[name].tokenizer)
                 for src, r in zip(out.non_tensor_batch["data_source"], outcome.rewards.tolist()):
@@ -763,39 +684,3 @@ def summary_lines(metrics: dict[str, float], step: int, total: int) -> str:
             fields.append(f"cross rows {int(m['cross/rows'])}{selected}")
         lines.append(f"step {step}/{total} {name}: " + "  ".join(fields))
     return "\n".join(lines)
-
-
-def _tag(batch: DataProto, *, source: int, cross: bool, omega: float) -> DataProto:
-    """Attach the per-row HACPO fields to one agent's rows, as seen by one learner."""
-    b = len(batch)
-    batch.batch[K.SOURCE] = torch.full((b,), source, dtype=torch.long)
-    batch.batch[K.IS_CROSS] = torch.full((b,), cross, dtype=torch.bool)
-    batch.batch[K.OMEGA] = torch.full((b,), omega, dtype=torch.float32)
-    if cross or "old_log_probs" not in batch.batch.keys():
-        # cross rows use the source's mean log-prob (§4), never the learner's old log-probs
-        batch.batch["old_log_probs"] = torch.zeros(batch.batch["responses"].shape, dtype=torch.float32)
-    return batch
-
-
-_LEARNER_TENSORS = (
-    "prompts", "responses", "response_mask", "input_ids", "attention_mask", "position_ids",
-    "old_log_probs", K.REWARD, K.SOURCE, K.IS_CROSS, K.OMEGA, K.SOURCE_LOG_PROB_MEAN, K.SOURCE_RESPONSE_LENGTH,
-)
-# modes graft / sgt, share_selection=complementary: every part carries them
-_LEARNER_TENSORS_IF_SET = (K.GROUP_ADVANTAGE, K.IMITATION_MASK, K.SELECTED)
-
-
-def _concat_rows(parts: list[DataProto]) -> DataProto:
-    """Concatenate own and cross rows on the keys a learner trains on."""
-    trimmed = []
-    for p in parts:
-        tensors = {k: p.batch[k] for k in _LEARNER_TENSORS}
-        tensors.update({k: p.batch[k] for k in _LEARNER_TENSORS_IF_SET if k in p.batch.keys()})
-        non_tensors = {k: p.non_tensor_batch[k] for k in _LEARNER_NON_TENSOR if k in p.non_tensor_batch}
-        trimmed.append(DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(parts[0].meta_info)))
-    keys = set.intersection(*(set(t.non_tensor_batch) for t in trimmed))
-    for t in trimmed:
-        for k in list(t.non_tensor_batch):
-            if k not in keys:
-                t.non_tensor_batch.pop(k)
-    return DataProto.concat(trimmed)

@@ -154,7 +154,8 @@ def _worker_micro_batch(lp, old, mask, is_cross, src, omega, adv, own_only: bool
 
 @pytest.mark.parametrize("loss_name", ["hacpo_actor_loss", "graft_actor_loss", "sgt_actor_loss"])
 def test_worker_losses_bf16_equal_fp32(loss_name):
-    import recipe_hacpo.workers.hacpo_loss as hl
+    from recipe_hacpo.methods import method_for
+    from recipe_hacpo.workers.hacpo_loss import actor_loss
 
     lp, old, mask, is_cross, src, omega, adv, _ = _inputs(3)
     td, flat = _worker_micro_batch(lp, old, mask, is_cross, src, omega, adv, own_only=loss_name == "sgt_actor_loss")
@@ -162,10 +163,10 @@ def test_worker_losses_bf16_equal_fp32(loss_name):
                              use_kl_loss=False, entropy_coeff=0.0, loss_scale_factor=None)
     hacpo = HacpoSettings(mode={"hacpo_actor_loss": "hacpo", "graft_actor_loss": "graft",
                                 "sgt_actor_loss": "sgt"}[loss_name])
-    fn = getattr(hl, loss_name)
+    objective = method_for(hacpo.mode).objective
 
     def loss_fn(x):
-        total, metrics = fn(config, hacpo, {"log_probs": x}, td)
+        total, metrics = actor_loss(objective, config, hacpo, {"log_probs": x}, td)
         return total, {k: (m.values if hasattr(m, "values") else m) for k, m in metrics.items()}
 
     out = _bf16_and_fp32(loss_fn, flat)

@@ -127,7 +127,7 @@ def _trainer(tokenizers: dict, settings: HacpoSettings, workers: int, peer=None,
     if peer is not None:
         (learner,) = t.agents.values()
         t.replay_peer = peer
-        t.replay_exchange = converters[(peer.key, learner.spec.name)] = t._converter(
+        t.replay_converter = converters[(peer.key, learner.spec.name)] = t._converter(
             peer.tokenizer, peer.eos_token_ids, learner)
     if workers:
         t.exchange_jobs = ExchangeJobs(converters, decode_responses, workers)

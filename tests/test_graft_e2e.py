@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import REAL_PAIR
-from test_e2e import REPO, agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
+from golden import check_golden
+from e2e_run import REPO, agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.graft import grpo_advantage
@@ -39,6 +40,7 @@ def graft_run(tmp_path_factory, warm_real_agent_paths):
            "trainer.test_freq=-1", "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches",
            f"trainer.record_rollouts_dir={out}/recorded"],
     )
+    check_golden("graft_pair", train_steps(records))
     return out, records, kinds
 
 
@@ -165,6 +167,7 @@ def test_replay_of_a_recorded_peer_trains_one_agent_alone(graft_run, tmp_path, w
         "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches",
         f"trainer.record_rollouts_dir={out}/own"]))
     name = names[receiver]
+    check_golden("graft_replay", steps)
     assert sorted(steps) == [1, 2]
     assert_finite_losses(steps, [name])
     grafted = 0
@@ -215,6 +218,7 @@ def test_graft_three_agents(tmp_path, warm_agent_paths):
            "trainer.val_before_train=false"],
     )
     steps = train_steps(records)
+    check_golden("graft_three_agents", steps)
     names = ["qwen_char", "qwen_mid", "llama_pair"]
     assert_finite_losses(steps, names)
     for step, m in steps.items():
@@ -245,6 +249,7 @@ def test_sgt_two_agents_imitate_the_drawn_correct_peer_response(tmp_path, warm_r
            "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches"],
     )
     steps = train_steps(records)
+    check_golden("sgt_pair", steps)
     assert sorted(steps) == [1, 2]
     assert_finite_losses(steps, names)
     imitated_somewhere = 0

@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_e2e import assert_finite_losses, assert_weights_changed, checkpoint_weights, run_main, train_steps
+from golden import check_golden
+from e2e_run import assert_finite_losses, assert_weights_changed, checkpoint_weights, run_main, train_steps
 from test_reliability import _training_metrics
 
 from recipe_hacpo import batch_keys as K
@@ -105,6 +106,7 @@ COMMON = ["trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test
 def lora_run(tmp_path_factory, warm_agent_paths):
     out = str(tmp_path_factory.mktemp("lora"))
     records = run_main(out, _agents(warm_agent_paths) + COMMON + [f"trainer.learner_batch_dir={out}/batches"])
+    check_golden("hacpo_lora_pair", train_steps(records))
     return out, train_steps(records)
 
 

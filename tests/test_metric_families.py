@@ -215,7 +215,7 @@ def test_timing_family_per_agent_own_time_and_phase_wall_time(monkeypatch):
 
     timing: dict = {}
     with t._phase_timer(timing)("gen"):
-        t._each(work, phase="gen")
+        t.for_each_agent(work, phase="gen")
     assert t.agent_timing == {"agent/a/timing_s/gen": 2.0, "agent/b/timing_s/gen": 3.0}  # own time each
     assert timing == {"gen": 5.0}  # the phase's wall time over both agents
 

@@ -19,6 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 from torchdata.stateful_dataloader import StatefulDataLoader
+from golden import check_golden
 from verl import DataProto
 
 from recipe_hacpo import batch_keys as K
@@ -336,7 +337,7 @@ def test_each_names_the_agent_whose_worker_died():
         return 1
 
     with pytest.raises(AgentError) as err:
-        t._each(died)
+        t.for_each_agent(died)
     assert err.value.agent == "llama_pair"
     assert str(err.value).startswith("agent 'llama_pair': its Ray worker died (ActorDiedError: ")
     assert "\n" not in str(err.value)
@@ -348,7 +349,7 @@ def test_each_names_the_agent_whose_worker_died():
         return 1
 
     with pytest.raises(AgentError) as err:
-        t._each(remote_nan)
+        t.for_each_agent(remote_nan)
     assert str(err.value) == "agent 'qwen_char': FloatingPointError: HACPO loss is not finite (pg_loss=nan, update m=0)"
     assert describe_failure(ValueError("first\nsecond")) == "ValueError: first"
     t._pool.shutdown()
@@ -810,6 +811,7 @@ def test_e2e_killed_mid_checkpoint_and_worker_lost_mid_update_then_resumed_runs_
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     reference_steps = _steps(reference)
+    check_golden("hacpo_pair", reference_steps)
     expected = {step: _training_metrics(data) for step, data in reference_steps.items()}
     assert sorted(expected) == [1, 2, 3]
     # the comparison has teeth: the agents' rewards and losses move from step to step

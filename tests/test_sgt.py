@@ -185,7 +185,7 @@ def _micro_batch(rows: list[tuple[list[int], list[int]]], own_tokens: int, imita
 def test_worker_loss_over_micro_batches_is_the_core_loss_of_the_mini_batch():
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from recipe_hacpo.workers.hacpo_loss import sgt_actor_loss
+    from recipe_hacpo.methods.sgt import sgt_actor_loss
 
     g = torch.Generator().manual_seed(3)
     rows = [([5, 6, 7][: 1 + i % 3], [8, 9, 10][: 1 + (i * 2) % 3]) for i in range(12)]
@@ -221,7 +221,7 @@ def test_worker_loss_over_micro_batches_is_the_core_loss_of_the_mini_batch():
 def test_worker_loss_needs_the_mini_batch_imitation_count():
     from verl.utils import tensordict_utils as tu
 
-    from recipe_hacpo.workers.hacpo_loss import sgt_actor_loss
+    from recipe_hacpo.methods.sgt import sgt_actor_loss
 
     td, _ = _micro_batch([([5], [8])] * 3, 2, 1, torch.Generator().manual_seed(0))
     td = td.exclude(K.IMITATION_TOKENS)
@@ -285,7 +285,7 @@ def _stub_trainer(tokenizers: dict):
 
 
 def test_learner_batches_hold_own_rows_and_one_imitation_slot_per_prompt(char_tokenizer, pair_tokenizer):
-    from recipe_hacpo.graft_trainer import sgt_advantages, sgt_exchange
+    from recipe_hacpo.methods.sgt import sgt_advantages, sgt_exchange
 
     tokenizers = {"a": char_tokenizer, "b": pair_tokenizer}
     trainer = _stub_trainer(tokenizers)
@@ -331,7 +331,7 @@ def test_learner_batches_hold_own_rows_and_one_imitation_slot_per_prompt(char_to
 
 def test_learner_batches_go_through_the_mini_batch_layout(char_tokenizer):
     """Whole groups of n own rows + 1 slot in every mini-batch, the slot after its own rows."""
-    from recipe_hacpo.graft_trainer import sgt_exchange
+    from recipe_hacpo.methods.sgt import sgt_exchange
     from recipe_hacpo.minibatch import mini_batch_order
 
     tokenizers = {"a": char_tokenizer, "b": char_tokenizer}  # same tokenizer: no decode at all

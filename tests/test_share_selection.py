@@ -243,7 +243,7 @@ def _micro_batch(rows, excluded, g, **non_tensor):
 def test_worker_loss_leaves_out_unselected_rows_in_value_gradient_and_row_count(mode):
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from recipe_hacpo.workers.hacpo_loss import hacpo_actor_loss
+    from recipe_hacpo.methods.hacpo import hacpo_actor_loss
 
     rows = [([5, 6, 7][: 1 + i % 3], [8, 9, 10][: 1 + (i * 2) % 3]) for i in range(12)]
     excluded = torch.tensor([i % 4 == 3 for i in range(12)])  # every other peer row

@@ -23,8 +23,8 @@ from verl.utils import tensordict_utils as tu
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.agent_runtime import WORKER_NON_TENSOR_FIELDS, AgentRuntime
 from recipe_hacpo.exchange import pack_rows
-from recipe_hacpo.trainer import _LEARNER_NON_TENSOR, _concat_rows, _tag
-from recipe_hacpo.workers.hacpo_loss import loss_fields
+from recipe_hacpo.methods.hacpo import hacpo_loss_fields
+from recipe_hacpo.methods.rows import LEARNER_NON_TENSORS, concat_rows, tag_rows
 
 PROMPTS, N = 4, 2  # rows per prompt per agent
 
@@ -108,9 +108,9 @@ def _rollout(seed: int) -> DataProto:
 
 def _learner_batch() -> DataProto:
     """Own rows and a peer's rows, concatenated by the trainer's own code, with advantages."""
-    batch = _concat_rows([
-        _tag(_rollout(0), source=0, cross=False, omega=1.0),
-        _tag(_rollout(1), source=1, cross=True, omega=1.3),
+    batch = concat_rows([
+        tag_rows(_rollout(0), source=0, cross=False, omega=1.0),
+        tag_rows(_rollout(1), source=1, cross=True, omega=1.3),
     ])
     mask = batch.batch["response_mask"]
     batch.batch["advantages"] = torch.randn(len(batch), 1, generator=torch.Generator().manual_seed(2)) * mask
@@ -127,15 +127,15 @@ def test_update_ships_tensors_the_loss_reads_and_no_text_field(tiny_agent_paths)
     runtime = _runtime(tiny_agent_paths)
     batch = _learner_batch()
     # the driver's learner batch does carry the text fields (what the trainer dumps and checks)
-    assert set(_LEARNER_NON_TENSOR) <= set(batch.non_tensor_batch)
+    assert set(LEARNER_NON_TENSORS) <= set(batch.non_tensor_batch)
 
     runtime.update(batch, rows_per_prompt=2 * N)
 
     sent = runtime.wg.sent["update_actor"]
     assert _per_row_objects(sent) == [], "a per-row object field is shipped to the update"
-    for key in _LEARNER_NON_TENSOR:
+    for key in LEARNER_NON_TENSORS:
         assert key not in sent.keys(), key
-    needed = set(loss_fields(SimpleNamespace(cross_ratio_length="source"), use_kl_loss=False))
+    needed = set(hacpo_loss_fields(SimpleNamespace(cross_ratio_length="source")))
     needed |= {"input_ids", "position_ids", "attention_mask", "prompts", "responses", "loss_mask"}
     assert needed <= set(sent.keys()), needed - set(sent.keys())
     assert sent.shape[0] == len(batch)
@@ -143,7 +143,7 @@ def test_update_ships_tensors_the_loss_reads_and_no_text_field(tiny_agent_paths)
     assert tu.get_non_tensor_data(sent, "mini_batch_size", None) == 2 * 2 * N
     assert tu.get_non_tensor_data(sent, "temperature", None) == 1.0
     # the driver's batch itself is left whole
-    assert set(_LEARNER_NON_TENSOR) <= set(batch.non_tensor_batch)
+    assert set(LEARNER_NON_TENSORS) <= set(batch.non_tensor_batch)
 
 
 @pytest.mark.parametrize("call", ["old_log_prob", "ref_log_prob"])

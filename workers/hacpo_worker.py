@@ -1,11 +1,11 @@
 """HACPO's verl worker role: verl's engine `ActorRolloutRefWorker` trained with the HACPO loss.
 
 Two differences from verl's worker, both by subclassing:
-- in the sharing modes (hacpo, naive) the actor's loss function is `hacpo_actor_loss` (own
-  GSPO rows + reweighted cross rows), in mode graft `graft_actor_loss` (PPO-clip against the
-  receiver's old policy, weighted by w), in mode sgt `sgt_actor_loss` (GRPO on own rows + λ·NLL
-  of the imitated peer responses); in isolated mode verl's own loss stays installed, so
-  `actor.policy_loss.loss_mode` selects verl's gspo or vanilla (GRPO) loss as in verl;
+- the actor's loss function is the frame `hacpo_loss.actor_loss` around the method's objective
+  (`recipe_hacpo.methods`: HACPO's own GSPO rows + reweighted cross rows for modes hacpo and
+  naive, GRAFT's weighted PPO-clip, SGT's GRPO + λ·NLL); a method without an objective (mode
+  isolated) keeps verl's own loss, so `actor.policy_loss.loss_mode` selects verl's gspo or
+  vanilla (GRPO) loss as in verl;
 - the inner training worker numbers the optimizer updates of a training step, so the loss
   knows m of spec §5 (stepwise clipping) for every mini-batch, across ppo epochs, and keeps a
   record per mini-batch of m, the lower bound the loss used and its own / cross row counts; in
@@ -28,7 +28,8 @@ from tensordict import TensorDict
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.hacpo_settings import HacpoSettings
-from recipe_hacpo.workers.hacpo_loss import graft_actor_loss, hacpo_actor_loss, sgt_actor_loss
+from recipe_hacpo.methods import method_for
+from recipe_hacpo.workers.hacpo_loss import actor_loss
 from recipe_hacpo.workers.vocab_tail import ban_vocab_tail
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import tensordict_utils as tu
@@ -130,7 +131,7 @@ class HacpoActorRolloutRefWorker(ActorRolloutRefWorker):
 
     def __init__(self, config: DictConfig, role: str, hacpo_loss: dict | None = None, **kwargs):
         super().__init__(config, role, **kwargs)
-        # None: isolated mode, verl's own loss (actor.policy_loss.loss_mode) stays installed.
+        # None: verl's own loss (actor.policy_loss.loss_mode) stays installed (mode isolated).
         # Otherwise the driver's HacpoSettings.loss_kwargs(), checked again by the one validation
         self.hacpo_loss = HacpoSettings.from_dict(hacpo_loss) if hacpo_loss is not None else None
 
@@ -142,11 +143,10 @@ class HacpoActorRolloutRefWorker(ActorRolloutRefWorker):
         for worker in (self.actor, self.ref):
             if worker is not None:
                 ban_vocab_tail(worker.engine.module, worker.engine.model_config.tokenizer)
-        if self._is_actor and self.hacpo_loss is not None:
+        objective = method_for(self.hacpo_loss.mode).objective if self.hacpo_loss is not None else None
+        if self._is_actor and objective is not None:
             actor_config = omega_conf_to_dataclass(self.config.actor)
-            # mode=graft trains with GRAFT's weighted PPO-clip loss, sgt with GRPO + λ·NLL, hacpo / naive with HACPO's
-            loss = {"graft": graft_actor_loss, "sgt": sgt_actor_loss}.get(self.hacpo_loss.mode, hacpo_actor_loss)
-            self.loss_fn = partial(loss, actor_config, self.hacpo_loss, record=self.actor.record_micro_batch)
+            self.loss_fn = partial(actor_loss, objective, actor_config, self.hacpo_loss, record=self.actor.record_micro_batch)
             self.actor.set_loss_fn(self.loss_fn)
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)

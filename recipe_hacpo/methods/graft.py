@@ -1,0 +1,329 @@
+"""GRAFT (`algorithm.hacpo.mode=graft`, docs/ALGORITHM.md §9) and its replay of a recorded peer
+(`algorithm.hacpo.replay_peer`, recipe_hacpo/replay.py), as a method of the trainer's step:
+
+    G1  k_M(q) from the verifier's rewards, `graft.graft_selection` → the source of every
+        receiver's group (−1: its own)
+    G2  every agent's GRPO advantage on its own full group, before anything is exchanged; a
+        grafted row carries its source's (`batch_keys.GROUP_ADVANTAGE` travels with the row)
+    G3  one more forward of the receiver over its grafted rows only: its old log-probs of
+        their re-tokenized text (the ratio's denominator) and w against the source's own
+    G4  the objective: verl's PPO-clip against the receiver's old policy, × w, token-mean
+    G5  the mini-batch order in `AgentRuntime.update` (`graft.graft_mini_batch_order`, `peer_order`)
+
+The formulas are recipe_hacpo/graft.py's pure functions; this module wires them into the step.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any, Callable
+
+import torch
+
+from recipe_hacpo import batch_keys as K
+from recipe_hacpo.exchange import mean_log_prob_per_response
+from recipe_hacpo.exchange_jobs import convert_peer_rows
+from recipe_hacpo.graft import compatibility_weight, graft_policy_loss_matrix, graft_selection, grpo_advantage
+from recipe_hacpo.hacpo_settings import ConfigError
+from recipe_hacpo.methods.base import Method
+from recipe_hacpo.methods.rows import concat_rows, tag_rows
+from recipe_hacpo.replay import RecordedPeer, read_manifest, replay_selection
+from recipe_hacpo.scoring import attach_rewards
+from recipe_hacpo.workers.hacpo_loss import MicroBatch, Objective, PolicyTerm, actor_loss, clip_ratio
+from verl import DataProto
+
+if TYPE_CHECKING:
+    from recipe_hacpo.config import AgentSpec
+    from recipe_hacpo.hacpo_settings import HacpoSettings
+
+
+def correct_counts(rollouts: dict[str, DataProto], names: list[str]) -> tuple[list[str], torch.Tensor]:
+    """The step's prompts (uids in batch order) and k_M(q) of every agent, long [N, Q].
+
+    A response counts as correct when its reward is positive (the verifier's rewards are 0/1).
+    """
+    uids = list(dict.fromkeys(rollouts[names[0]].non_tensor_batch["uid"].tolist()))
+    where = {u: i for i, u in enumerate(uids)}
+    correct = torch.zeros(len(names), len(uids), dtype=torch.long)
+    for a, name in enumerate(names):
+        batch = rollouts[name]
+        q = torch.as_tensor([where[u] for u in batch.non_tensor_batch["uid"].tolist()], dtype=torch.long)
+        correct[a].index_add_(0, q, (batch.batch[K.REWARD] > 0).long())
+    return uids, correct
+
+
+def graft_exchange(trainer: Any, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
+    """Learner batches of mode graft: per prompt, the receiver's own group or one source's whole group."""
+    specs = trainer.specs
+    names = [s.name for s in specs]
+    with_group_advantages(rollouts)
+    uids, correct = correct_counts(rollouts, names)
+    sizes = torch.as_tensor([s.rollout_n for s in specs], dtype=torch.long)
+    source_of = graft_selection(correct, sizes, balance=trainer.hacpo.graft_balance)  # [N_R, Q]
+    batches = graft_batches(rollouts, names, source_of, uids, {s.name: s.index for s in specs},
+                            lambda source, learner, rows: convert_peer_rows(trainer, source, learner, rollouts[source], rows))
+    for learner in specs:
+        metrics[f"agent/{learner.name}/graft/groups_received"] = float((source_of[learner.index] >= 0).sum())
+        metrics[f"agent/{learner.name}/graft/groups_given"] = float((source_of == learner.index).sum())
+    weigh_grafted_rows(trainer, batches, metrics)
+    for name, batch in batches.items():
+        metrics[f"agent/{name}/cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
+    return batches
+
+
+def with_group_advantages(rollouts: dict[str, DataProto]) -> None:
+    """G2: every source's GRPO advantage on its full group, before anything is exchanged or dropped
+    (`GROUP_ADVANTAGE` then travels with each row)."""
+    for batch in rollouts.values():
+        batch.batch[K.GROUP_ADVANTAGE] = grpo_advantage(batch.batch[K.REWARD], batch.non_tensor_batch["uid"]).float()
+
+
+def graft_batches(
+    rollouts: dict[str, DataProto],
+    names: list[str],
+    source_of: torch.Tensor,
+    uids: list[str],
+    learners: dict[str, int],
+    convert: Callable[[str, str, torch.Tensor], DataProto],
+) -> dict[str, DataProto]:
+    """Each learner's batch: its own rows of the prompts it keeps, then each source's whole groups of
+    the prompts `source_of` [N_R, Q] gives it from that source (index into `names`), re-tokenized by
+    `convert(source name, learner name, row numbers of rollouts[source])`."""
+    prompt_of = {u: i for i, u in enumerate(uids)}
+
+    def rows_for(name: str, receiver: int, wanted: int) -> torch.Tensor:
+        """Row numbers of `name`'s rollouts on the prompts whose group `receiver` takes from `wanted`."""
+        q = [prompt_of[u] for u in rollouts[name].non_tensor_batch["uid"].tolist()]
+        return torch.nonzero(source_of[receiver, q] == wanted).flatten()
+
+    batches = {}
+    for learner, receiver in learners.items():
+        own = rows_for(learner, receiver, -1)
+        parts = [tag_rows(rollouts[learner].select_idxs(own), source=names.index(learner), cross=False, omega=1.0)]
+        for index, source in enumerate(names):
+            rows = rows_for(source, receiver, index) if source != learner else own[:0]
+            if len(rows):
+                parts.append(tag_rows(convert(source, learner, rows), source=index, cross=True, omega=1.0))
+        # a receiver may have no own group left, never no group at all (every prompt has one)
+        batches[learner] = concat_rows([p for p in parts if len(p)])
+    return batches
+
+
+def weigh_grafted_rows(trainer: Any, batches: dict[str, DataProto], metrics: dict) -> None:
+    """G3: the receiver's old log-probs of its grafted rows (one forward over them only), w and the gate.
+
+    A grafted row the floor drops keeps its place in the batch (so every group keeps n rows and
+    the mini-batches their size) with a zeroed response_mask: it is in neither the loss nor the
+    token count. w is fixed for the whole update.
+    """
+    grafted_rows = {name: torch.nonzero(b.batch[K.IS_CROSS]).flatten() for name, b in batches.items()}
+    old = trainer.for_each_agent(
+        lambda a: _old_log_prob_of_rows(a, batches[a.spec.name], grafted_rows[a.spec.name]),
+        phase="graft_old_log_prob",
+    )
+    settings = trainer.hacpo
+    for name, batch in batches.items():
+        rows = grafted_rows[name]
+        weight = torch.ones(len(batch), dtype=torch.float32)
+        if len(rows):
+            mask = batch.batch["response_mask"]
+            lp = old[name]
+            if not torch.isfinite(lp[mask[rows].bool()]).all():
+                raise FloatingPointError(f"agent {name!r}: non-finite old log-probs of grafted rows; stopping before any update")
+            batch.batch["old_log_probs"][rows] = lp
+            w, admitted = compatibility_weight(
+                mean_log_prob_per_response(lp, mask[rows]),
+                batch.batch[K.SOURCE_LOG_PROB_MEAN][rows],
+                torch.ones(len(rows), dtype=torch.bool),
+                delta=settings.graft_floor,
+                gate=settings.graft_weight,
+            )
+            weight[rows] = w
+            dropped = rows[~admitted]
+            mask[dropped] = 0
+            metrics[f"agent/{name}/graft/admitted"] = float(admitted.sum())
+            metrics[f"agent/{name}/graft/dropped"] = float((~admitted).sum())
+            metrics[f"agent/{name}/graft/weight_mean"] = float(w[admitted].mean()) if admitted.any() else 0.0
+        else:
+            metrics[f"agent/{name}/graft/admitted"] = 0.0
+            metrics[f"agent/{name}/graft/dropped"] = 0.0
+        batch.batch[K.GRAFT_WEIGHT] = weight
+
+
+def _old_log_prob_of_rows(agent, batch: DataProto, rows: torch.Tensor) -> torch.Tensor | None:
+    """The receiver's old log-probs of `rows` of its batch, [len(rows), T] (None when there are none).
+
+    verl's engine cuts a log-prob call into equal micro-batches of
+    `rollout.log_prob_micro_batch_size_per_gpu` on each of its ranks and refuses a row count that
+    does not divide; the number of grafted rows changes every step, so the call is padded by
+    repeating the first grafted row, and the padding's outputs are discarded.
+    """
+    if not len(rows):
+        return None
+    rollout = agent.config.actor_rollout_ref.rollout
+    micro = 1 if rollout.get("log_prob_use_dynamic_bsz", False) else int(rollout.log_prob_micro_batch_size_per_gpu or 1)
+    unit = micro * agent.wg.world_size
+    padded = torch.cat([rows, rows[:1].repeat((-len(rows)) % unit)])
+    return agent.old_log_prob(batch.select_idxs(padded))[: len(rows)]
+
+
+def graft_advantages(batches: dict[str, DataProto], metrics: dict) -> None:
+    """G2: every row's advantage is its generating agent's GRPO advantage on its own full group."""
+    for name, batch in batches.items():
+        adv = batch.batch[K.GROUP_ADVANTAGE]
+        mask = batch.batch["response_mask"]
+        batch.batch["advantages"] = adv.float().unsqueeze(-1) * mask
+        batch.batch["returns"] = batch.batch["advantages"]
+        metrics[f"agent/{name}/advantage/mean"] = float(adv.mean())
+        metrics[f"agent/{name}/advantage/abs_mean"] = float(adv.abs().mean())
+
+
+def replay_exchange(trainer: Any, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
+    """The receiver's learner batch against the recorded peer: per prompt its own group or the
+    recorded whole group (R3), then GRAFT's w and gate (R4)."""
+    peer: RecordedPeer = trainer.replay_peer
+    (learner,) = trainer.specs
+    jobs = getattr(trainer, "exchange_jobs", None)
+    if jobs is not None and jobs.started(peer.key):
+        # loaded, checked, decoded and converted in the background since the live rollouts returned
+        recorded = jobs.batch(peer.key)
+        attach_rewards(recorded, trainer.verifier.score(recorded, peer.tokenizer, texts=jobs.texts(peer.key)))
+    else:
+        recorded = peer.rollouts(trainer.global_step, rollouts[learner.name], trainer.verifier)
+    sources = {learner.name: rollouts[learner.name], peer.key: recorded}
+    with_group_advantages(sources)
+    uids, correct = correct_counts(sources, [learner.name, peer.key])
+    taken = replay_selection(correct, peer.rollout_n)
+    source_of = torch.where(taken, 1, -1).unsqueeze(0)  # [N_R = 1, Q]: 1 = the recorded peer
+    converter = trainer.replay_converter
+
+    def convert(source: str, name: str, rows: torch.Tensor) -> DataProto:
+        if jobs is not None and jobs.started(source):
+            return jobs.convert(source, name, sources[source], rows)
+        return converter.convert(sources[source].select_idxs(rows))
+
+    batches = graft_batches(sources, [learner.name, peer.key], source_of, uids, {learner.name: 0}, convert)
+    metrics[f"agent/{learner.name}/graft/groups_received"] = float(taken.sum())
+    metrics[f"agent/{learner.name}/replay/reward_mean"] = float(recorded.batch[K.REWARD].mean())
+    weigh_grafted_rows(trainer, batches, metrics)
+    metrics[f"agent/{learner.name}/cross/rows"] = float(batches[learner.name].batch[K.IS_CROSS].sum())
+    return batches
+
+
+def peer_clip_fraction(update_metrics: dict[str, float]) -> float | None:
+    """graft/peer_clipfrac of one agent's step from the loss's summed token counts (None: no grafted token)."""
+    tokens = update_metrics.get("graft/peer_tokens", 0.0)
+    if not tokens:
+        return None
+    return float(update_metrics["graft/peer_clipped_tokens"] / tokens)
+
+
+# ------------------------------------------------------------------ the loss's policy term
+def graft_loss_fields(hacpo: "HacpoSettings") -> list[str]:
+    return ["response_mask", "old_log_probs", "advantages", K.IS_CROSS, K.GRAFT_WEIGHT]
+
+
+def graft_policy_term(mb: MicroBatch) -> PolicyTerm:
+    """GRAFT's policy term of one micro-batch (G4): verl's vanilla PPO-clip term (with its dual
+    clip `actor.clip_ratio_c`) against the receiver's own old log-probs on every row, each row's
+    term times its compatibility weight w (`GRAFT_WEIGHT`), token-mean over the mini-batch's
+    tokens whatever `actor.loss_agg_mode` says (grafted rows dropped by the floor carry a zero
+    response_mask, so they are not counted). With no grafted row it is verl's GRPO loss. Reads
+    `hacpo.graft_ratio`; no stepwise bound."""
+    from verl.trainer.ppo.core_algos import agg_loss
+    from verl.utils.metric import AggregationType, Metric
+
+    padded = mb.padded
+    grafted = padded[K.IS_CROSS].bool()
+    loss_mat, pg_metrics = graft_policy_loss_matrix(
+        mb.log_prob,
+        padded["old_log_probs"],
+        padded["advantages"],
+        mb.response_mask,
+        weight=padded[K.GRAFT_WEIGHT],
+        is_grafted=grafted,
+        clip_ratio_low=clip_ratio(mb.actor_config, "low"),
+        clip_ratio_high=clip_ratio(mb.actor_config, "high"),
+        clip_ratio_c=float(mb.actor_config.clip_ratio_c),
+        ratio_level=mb.hacpo.graft_ratio,
+    )
+    pg_loss = agg_loss(loss_mat, mb.response_mask, "token-mean", **mb.batch_info)
+    metrics = {
+        key: Metric(value=value, aggregation=AggregationType.MEAN)
+        for key, value in pg_metrics.items()
+        if not key.startswith("graft/peer_")
+    }
+    # the peer-token clip fraction of the step is clipped / all grafted tokens: both counts are
+    # summed over micro-batches and ranks here, and `step_metrics` divides their step means
+    peer_tokens = float((mb.response_mask & grafted.unsqueeze(-1)).sum())
+    metrics["graft/peer_clipped_tokens"] = Metric(
+        value=pg_metrics["graft/peer_clipfrac"] * peer_tokens, aggregation=AggregationType.SUM
+    )
+    metrics["graft/peer_tokens"] = Metric(value=peer_tokens, aggregation=AggregationType.SUM)
+    return PolicyTerm(pg_loss=pg_loss, total=pg_loss, agg_mode="token-mean", metrics=metrics,
+                      own_rows=int((~grafted).sum()), cross_rows=int(grafted.sum()))
+
+
+GRAFT_OBJECTIVE = Objective(fields=graft_loss_fields, term=graft_policy_term)
+graft_actor_loss = partial(actor_loss, GRAFT_OBJECTIVE)
+"""The loss of one micro-batch, as verl's engine calls it: (actor_config, hacpo, model_output, data, ...)."""
+
+
+# ------------------------------------------------------------------ the method
+class Graft(Method):
+    """mode graft: per prompt the receiver's own group or one peer's whole group (G1–G5)."""
+
+    metric_groups = ("graft/",)
+    objective = GRAFT_OBJECTIVE
+
+    def validate(self, specs: list["AgentSpec"], settings: "HacpoSettings", gpus: dict[str, int]) -> None:
+        """Every group must have the same size n (a grafted group replaces a whole group, and the
+        mini-batches keep theirs), the receiver's extra old-log-prob pass over grafted groups must
+        split evenly over its GPUs, and a replay trains one agent against a recording of its n."""
+        sizes = {s.rollout_n for s in specs}
+        if len(sizes) > 1:
+            listed = ", ".join(f"{s.name} {s.rollout_n}" for s in specs)
+            raise ConfigError(
+                f"algorithm.hacpo.mode=graft: every agent needs the same rollout_n (a grafted group replaces a whole "
+                f"group), got {listed}; set agents_rollout_n"
+            )
+        for s in specs:
+            world = gpus[s.name]
+            if s.rollout_n % world != 0:
+                raise ConfigError(
+                    f"agents[{s.index}] ({s.name}): rollout_n={s.rollout_n} does not split over its {world} GPUs; "
+                    "mode=graft scores grafted groups on the receiver's GPUs, so pick a multiple of the GPU count"
+                )
+        if settings.replay_peer is not None:
+            _validate_replay(settings.replay_peer, specs)
+
+    def exchange(self, trainer: Any, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
+        if trainer.hacpo.replay_peer is not None:
+            return replay_exchange(trainer, rollouts, metrics)
+        return graft_exchange(trainer, rollouts, metrics)
+
+    def advantages(self, trainer: Any, batches: dict[str, DataProto], metrics: dict) -> None:
+        graft_advantages(batches, metrics)
+
+    def peer_order(self, settings: "HacpoSettings") -> str | None:
+        return settings.graft_order
+
+    def step_metrics(self, update_metrics: dict[str, float]) -> dict[str, float]:
+        fraction = peer_clip_fraction(update_metrics)
+        return {} if fraction is None else {"graft/peer_clipfrac": fraction}
+
+
+def _validate_replay(agent_dir: str, specs: list["AgentSpec"]) -> None:
+    """GRAFT's replay trains one agent alone against a recorded peer of the same group size."""
+    if len(specs) != 1:
+        raise ConfigError(
+            f"algorithm.hacpo.replay_peer: trains one agent alone against the recording, got {len(specs)} agents "
+            f"({', '.join(s.name for s in specs)})"
+        )
+    manifest = read_manifest(agent_dir)
+    if int(manifest["rollout_n"]) != specs[0].rollout_n:
+        raise ConfigError(
+            f"agents[0] ({specs[0].name}): rollout_n={specs[0].rollout_n} but the recorded peer "
+            f"{manifest['name']!r} sampled {manifest['rollout_n']} per prompt; a grafted group replaces a whole group, "
+            "so set them equal"
+        )
