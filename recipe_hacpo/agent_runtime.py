@@ -92,7 +92,7 @@ class AgentRuntime:
         # rewards are computed by the trainer with each agent's own tokenizer (scoring.py)
         if self.config.actor_rollout_ref.rollout.name == "hf":
             # batches a whole single-turn rollout per server call (`rollout.agent.default_agent_loop`)
-            from recipe_hacpo.workers.hf_agent_loop import HFAgentLoopManager
+            from recipe_hacpo.workers.hf_cpu_rollout.hf_agent_loop import HFAgentLoopManager
 
             self.agent_loop = HFAgentLoopManager.create(
                 config=self.config, llm_client=self.llm_servers.get_client(), reward_loop_worker_handles=None

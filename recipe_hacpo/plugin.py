@@ -11,7 +11,7 @@ What is registered:
   trainer.device=cpu run), or, with neither set, on a host without any GPU (no accelerator
   visible to torch and no GPU kernel driver). On GPU/NPU hosts nothing changes.
   `HACPO_CPU_PLATFORM=0` opts out entirely.
-- the `hf` rollout backend (`workers/hf_rollout.py` via `workers/verl_touchpoints.py`),
+- the `hf` rollout backend (`workers/hf_cpu_rollout/hf_rollout.py` via `workers/verl_touchpoints.py`),
   always: it is inert unless `actor_rollout_ref.rollout.name=hf`.
 - verl's `vllm` rollout name resolved to `workers/vllm_rollout.py` (verl's vLLM rollout with
   per-agent server and weight-socket names, needed when several agents share a Ray job;

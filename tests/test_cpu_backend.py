@@ -195,7 +195,7 @@ def compose_ppo_config(overrides: list[str]):
 
 def test_plugin_registered_cpu_platform_and_hf_backend():
     import verl  # noqa: F401  (loads the verl.plugins entry point)
-    from recipe_hacpo.workers.hf_rollout import HFReplica, HFServerAdapter
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_rollout import HFReplica, HFServerAdapter
     from recipe_hacpo.workers.verl_touchpoints import dedupe_backend_string
     from verl.utils.device import get_device_name, get_nccl_backend, get_resource_name
     from verl.workers.engine.base import EngineRegistry
@@ -213,7 +213,7 @@ def test_plugin_registered_cpu_platform_and_hf_backend():
 
 
 def test_server_names_are_per_agent():
-    from recipe_hacpo.workers.hf_rollout import server_actor_name
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_rollout import server_actor_name
 
     solo = _rollout_config()
     alice, bob = _rollout_config(custom={"agent_name": "alice"}), _rollout_config(custom={"agent_name": "bob"})
@@ -223,7 +223,7 @@ def test_server_names_are_per_agent():
 
 
 def test_parse_sampling_defaults_and_limits():
-    from recipe_hacpo.workers.hf_sampling import parse_sampling
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_sampling import parse_sampling
 
     cfg = _rollout_config(temperature=0.7, top_k=5, top_p=0.9, max_model_len=80)
     s = parse_sampling({}, cfg, prompt_len=10)
@@ -243,8 +243,8 @@ def test_parse_sampling_defaults_and_limits():
 
 def test_seeded_rows_sample_the_same_alone_or_batched(tiny_model_path, reference):
     """A seeded row's tokens depend on its prompt and seed only, not on its batch mates."""
-    from recipe_hacpo.workers.hf_engine import HFEngine
-    from recipe_hacpo.workers.hf_sampling import parse_sampling
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_engine import HFEngine
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_sampling import parse_sampling
 
     model, tok = reference
     cfg = _rollout_config(max_model_len=128)
@@ -269,8 +269,8 @@ def test_seeded_rows_sample_the_same_alone_or_batched(tiny_model_path, reference
 
 def test_seeded_row_sampler_draws_from_the_warped_distribution(tiny_model_path, reference):
     """First-token frequencies over 4000 seeds match softmax(top-k(logits) / T)."""
-    from recipe_hacpo.workers.hf_engine import HFEngine
-    from recipe_hacpo.workers.hf_sampling import parse_sampling
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_engine import HFEngine
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_sampling import parse_sampling
 
     model, tok = reference
     cfg = _rollout_config(max_model_len=128)
@@ -307,7 +307,7 @@ def test_request_seed_is_stable_and_separates_steps_rows_and_prompts():
 
 
 def test_engine_weight_sync_is_all_or_error(tiny_model_path):
-    from recipe_hacpo.workers.hf_engine import HFEngine
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_engine import HFEngine
 
     cfg = _rollout_config(load_format="dummy", max_model_len=128)
     engine = HFEngine(cfg, _model_config(tiny_model_path), seed=0)
@@ -352,8 +352,8 @@ def ray_local():
 @pytest.fixture(scope="class")
 def server(ray_local, tiny_model_path):
     """One HF rollout server actor, as `HFReplica.launch_servers` would start it."""
-    from recipe_hacpo.workers.hf_rollout import server_actor_name
-    from recipe_hacpo.workers.hf_server import HFRolloutServer
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_rollout import server_actor_name
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_server import HFRolloutServer
     from verl.workers.rollout.replica import RolloutMode
 
     cfg = _rollout_config(custom={"agent_name": "unit"}, engine_kwargs={"hf": {"batch_wait_ms": 20}})
@@ -441,7 +441,7 @@ class TestHFRolloutServer:
         assert (stopped.stop_reason, stopped.extra_fields["finish_reason"]) == ("completed", "stop")
 
     def test_eos_ids_cover_tokenizer_and_generation_config(self, tiny_model_path):
-        from recipe_hacpo.workers.hf_engine import _eos_ids
+        from recipe_hacpo.workers.hf_cpu_rollout.hf_engine import _eos_ids
 
         mc = _model_config(tiny_model_path)
         assert mc.tokenizer.eos_token_id in _eos_ids(mc)

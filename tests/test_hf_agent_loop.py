@@ -46,7 +46,7 @@ class _Actor:
 
 
 def _server(path: str, **rollout):
-    from recipe_hacpo.workers.hf_server import HFRolloutServer
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_server import HFRolloutServer
     from verl.workers.config import HFModelConfig, RolloutConfig
     from verl.workers.rollout.replica import RolloutMode
 
@@ -146,7 +146,7 @@ def _worker_config(model_path: str):
     "kind,validate", [("qwen2-char-small", False), ("llama-pair-medium", False), ("llama-pair-medium", True)]
 )
 def test_batched_worker_equals_verls_per_row_single_turn_loop(tmp_path, kind, validate):
-    from recipe_hacpo.workers.hf_agent_loop import BATCHED_AGENT_LOOP, HFBatchedAgentLoopWorker
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_agent_loop import BATCHED_AGENT_LOOP, HFBatchedAgentLoopWorker
     from verl.protocol import DataProto
     from verl.utils.config import omega_conf_to_dataclass
     from verl.workers.rollout.llm_server import LLMServerClient

@@ -5,7 +5,7 @@ sizes: the first step's rollouts are the same texts and the update's pg_loss and
 agree.
 
 Why they can agree: with `rollout.full_determinism` every sampled response is a function of
-(rollout seed, step, row, prompt ids, weights) (`workers/hf_rollout.request_seed`); both
+(rollout seed, step, row, prompt ids, weights) (`workers/hf_cpu_rollout/hf_rollout.request_seed`); both
 trainers draw the prompts with verl's own dataset and sampler, score them with the same
 reward function, compute GRPO advantages (one agent: the capability-aware advantage is
 verl's GRPO, see test_core_algos) and train with verl's own gspo loss through the same FSDP2

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 
 import torch
-from recipe_hacpo.workers.hf_sampling import Sampling
+from recipe_hacpo.workers.hf_cpu_rollout.hf_sampling import Sampling
 
 
 def request_seed(base_seed: int, global_steps: int | None, request_id: str, prompt_ids: list[int]) -> int:

@@ -93,11 +93,11 @@ concern (each with a contract test in tests/test_verl_touchpoints.py):
 | 11 | `recipe_hacpo/methods/hacpo.py::hacpo_policy_term` (in the frame `workers/hacpo_loss.py::actor_loss`) | micro-batch non-tensor keys `dp_size`, `batch_num_tokens` (set in `verl/workers/engine/fsdp/transformer_impl.py::FSDPEngine.forward_backward_batch`) and `global_batch_size`, read as verl's own `verl/workers/utils/losses.py::ppo_loss` reads them |
 | 11 | `recipe_hacpo/agent_runtime.py` (update_actor) | the non-tensor keys of a training batch (`calculate_entropy`, `global_batch_size`, `mini_batch_size`, `epochs`, `seed`, `dataloader_kwargs`, `compute_loss`, `distillation_*`) as `verl/trainer/ppo/ray_trainer.py` sets them |
 | 12 | `recipe_hacpo/evaluation/checkpoints.py` | `verl/utils/checkpoint/fsdp_checkpoint_manager.py::FSDPCheckpointManager.save_checkpoint` layout: `model_world_size_{W}_rank_{R}.pt` and `huggingface/`; the names live here (`FSDP_SHARD_GLOB`, `FSDP_SHARD_RE`, `fsdp_shard_name`, `CHECKPOINT_HF_SUBDIR`) |
-| 13 | `workers/hf_rollout.py::HFReplica.launch_servers` | `verl/workers/rollout/replica.py::RolloutReplica.server_handle` / `server_address` return the private `_server_handle` / `_server_address`, which a replica subclass must set (verl's own replicas do the same) |
+| 13 | `workers/hf_cpu_rollout/hf_rollout.py::HFReplica.launch_servers` | `verl/workers/rollout/replica.py::RolloutReplica.server_handle` / `server_address` return the private `_server_handle` / `_server_address`, which a replica subclass must set (verl's own replicas do the same) |
 | 14 | `recipe_hacpo/exchange.py` | the batch layout `verl/experimental/agent_loop/agent_loop.py::AgentLoopWorker._postprocess` produces (documented there) |
 | 15 | `recipe_hacpo/agent_runtime.py::_step_metrics` | `verl/workers/engine_workers.py::TrainingWorker.train_mini_batch` returns `metrics` as {key: [one value per mini-batch]}, a list of per-rank `Metric`s reduced per mini-batch by `Metric.aggregate_dp` (min / max over every rank's micro-batch values; mean / sum: the rank mean per micro-batch, then the aggregation over micro-batches); `verl/utils/metric/utils.py::reduce_metrics` reduces a `Metric` by its own aggregation, whatever its key says |
 | 16 | `recipe_hacpo/agent_runtime.py::AgentRuntime.build` | `verl/single_controller/ray/base.py::RayWorkerGroup` takes a `master_port_range` keyword and hands it to `get_master_addr_port`, which binds the first free port of [first, end) and fails past it; the agents' slices come from `recipe_hacpo/placement.py::master_port_ranges` |
-| 18 | `recipe_hacpo/agent_runtime.py::AgentRuntime.ref_log_prob`, `workers/hf_rollout.py` | LoRA agents: `verl/workers/engine_workers.py::TrainingWorker.infer_batch` pops the non-tensor key `no_lora_adapter` and runs under `engine.disable_adapter()` (the reference policy of a LoRA actor, as verl's trainer computes it with `ref_in_actor`); `ActorRolloutRefWorker.update_weights` sends full merged weights with `peft_config=None` when `model.lora.merge` is true, the only LoRA sync the hf rollout accepts |
+| 18 | `recipe_hacpo/agent_runtime.py::AgentRuntime.ref_log_prob`, `workers/hf_cpu_rollout/hf_rollout.py` | LoRA agents: `verl/workers/engine_workers.py::TrainingWorker.infer_batch` pops the non-tensor key `no_lora_adapter` and runs under `engine.disable_adapter()` (the reference policy of a LoRA actor, as verl's trainer computes it with `ref_in_actor`); `ActorRolloutRefWorker.update_weights` sends full merged weights with `peft_config=None` when `model.lora.merge` is true, the only LoRA sync the hf rollout accepts |
 | 19 | `workers/hacpo_worker.py::HacpoTrainingWorker._imitation_tokens` | `mode=sgt`: the imitated-token count of a mini-batch is summed over `engine.get_data_parallel_group()` when `engine.get_data_parallel_size() > 1` (`verl/workers/engine/base.py::BaseEngine`, implemented by `verl/workers/engine/fsdp/transformer_impl.py::FSDPEngine`), as verl's engine sums its own `batch_num_tokens` |
 | 20 | `workers/hacpo_worker.py::HacpoActorRolloutRefWorker.init_model`, `workers/vocab_tail.py` | the output rows beyond `len(tokenizer)`: `verl/workers/rollout/vllm_rollout/utils.py::monkey_patch_compute_logits` bans them in the engine (vLLM servers call it with `len(model_config.tokenizer)`); the actor's and the reference's `TrainingWorker.engine` hold the HF model as `engine.module` and the tokenizer as `engine.model_config.tokenizer` (`verl/workers/engine/fsdp/transformer_impl.py::FSDPEngine`), whose output layer the recipe bans alike |
 
@@ -125,13 +125,13 @@ def fsdp_shard_name(world_size: int, rank: int) -> str:
 
 
 HF_BACKEND = "hf"
-HF_ADAPTER_FQN = "recipe_hacpo.workers.hf_rollout.HFServerAdapter"
+HF_ADAPTER_FQN = "recipe_hacpo.workers.hf_cpu_rollout.hf_rollout.HFServerAdapter"
 
 
 def _load_hf_replica():
     # Deferred: the replica module imports ray / transformers pieces that `import verl`
     # should not pay for in every process.
-    from recipe_hacpo.workers.hf_rollout import HFReplica
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_rollout import HFReplica
 
     return HFReplica
 

@@ -13,8 +13,8 @@ from collections import deque
 from typing import Any
 
 import torch
-from recipe_hacpo.workers.hf_engine import Generated, HFEngine, engine_kwargs
-from recipe_hacpo.workers.hf_sampling import HFRolloutUnsupported, Sampling, parse_sampling
+from recipe_hacpo.workers.hf_cpu_rollout.hf_engine import Generated, HFEngine, engine_kwargs
+from recipe_hacpo.workers.hf_cpu_rollout.hf_sampling import HFRolloutUnsupported, Sampling, parse_sampling
 from recipe_hacpo.workers.seeded_sampling import request_seed
 from verl.utils.config import omega_conf_to_dataclass
 from verl.workers.config import HFModelConfig, RolloutConfig

@@ -33,9 +33,9 @@ from typing import Any
 import ray
 import torch
 from recipe_hacpo.workers import rollout_naming
-from recipe_hacpo.workers.hf_engine import BACKEND_NAME
-from recipe_hacpo.workers.hf_sampling import HFRolloutUnsupported
-from recipe_hacpo.workers.hf_server import HFRolloutServer
+from recipe_hacpo.workers.hf_cpu_rollout.hf_engine import BACKEND_NAME
+from recipe_hacpo.workers.hf_cpu_rollout.hf_sampling import HFRolloutUnsupported
+from recipe_hacpo.workers.hf_cpu_rollout.hf_server import HFRolloutServer
 from verl.workers.config import HFModelConfig, RolloutConfig
 from verl.workers.rollout.base import BaseRollout
 from verl.workers.rollout.replica import RolloutReplica

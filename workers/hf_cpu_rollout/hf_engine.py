@@ -6,7 +6,7 @@ import dataclasses
 from collections.abc import Iterable
 
 import torch
-from recipe_hacpo.workers.hf_sampling import Sampling
+from recipe_hacpo.workers.hf_cpu_rollout.hf_sampling import Sampling
 from recipe_hacpo.workers.seeded_sampling import SeededRowSampler
 from recipe_hacpo.workers.vocab_tail import ban_vocab_tail
 from verl.workers.config import HFModelConfig, RolloutConfig
