@@ -73,3 +73,12 @@ def warm_real_agent_paths(tmp_path_factory) -> dict[str, str]:
         )
         paths[kind] = out
     return paths
+
+
+@pytest.fixture
+def demo_overrides(tiny_agent_paths) -> list[str]:
+    """hacpo_cpu_demo's two agents pointed at the tiny models of `tiny_agent_paths`."""
+    return [
+        f"agents.0.model_path={tiny_agent_paths['qwen2-char-small']}",
+        f"agents.1.model_path={tiny_agent_paths['llama-pair-medium']}",
+    ]

@@ -14,18 +14,15 @@ import types
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 
 from recipe_hacpo import config as config_mod
 from recipe_hacpo.config import ATTN_KEY, ConfigError, validate
+from helpers.compose import compose_config as _compose
 
 PRESET = "pair_qwen3-1p7b-base_qwen3-4b-base"
 GPUS_8 = ["++ray_kwargs.ray_init.num_gpus=8"]
 
 
-def _compose(name: str, overrides: list[str]):
-    with initialize_config_module("recipe_hacpo.configs", version_base=None):
-        return compose(name, overrides=overrides)
 
 
 @pytest.fixture

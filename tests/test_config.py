@@ -7,22 +7,14 @@ import subprocess
 import sys
 
 import pytest
-from hydra import compose, initialize_config_module
 
 from recipe_hacpo.config import ConfigError, agent_verl_config, validate
+from helpers.compose import compose_config as _compose
+from helpers.compose import first_agent_only as _first_agent_only
 
 
-def _compose(name: str, overrides: list[str]) -> object:
-    with initialize_config_module("recipe_hacpo.configs", version_base=None):
-        return compose(name, overrides=overrides)
 
 
-@pytest.fixture
-def demo_overrides(tiny_agent_paths):
-    return [
-        f"agents.0.model_path={tiny_agent_paths['qwen2-char-small']}",
-        f"agents.1.model_path={tiny_agent_paths['llama-pair-medium']}",
-    ]
 
 
 def test_demo_preset_validates_and_builds_agent_configs(demo_overrides):
@@ -82,12 +74,6 @@ def test_bad_configs_fail_with_one_line(demo_overrides, extra, message):
     assert "\n" not in str(err.value)
 
 
-def _first_agent_only(cfg):
-    from omegaconf import open_dict
-
-    with open_dict(cfg):
-        cfg.agents = cfg.agents[:1]
-    return cfg
 
 
 def test_sharing_needs_two_agents(demo_overrides):

@@ -10,8 +10,8 @@ import math
 import os
 
 import pytest
-from e2e_run import agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
-from golden import check_golden
+from helpers.e2e import agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
+from helpers.golden import check_golden
 
 from recipe_hacpo import batch_keys as K
 
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
 # Two agents in HACPO mode end to end (training, sharing, checkpoints, the learner batches) run
 # through verl's vLLM servers in the vLLM tier (tests/test_vllm_tier.py), which checks its
-# learner batches with `e2e_run.check_learner_batches`; resume after SIGKILL through the hf
+# learner batches with `helpers.e2e.check_learner_batches`; resume after SIGKILL through the hf
 # backend is in tests/test_reliability.py.
 
 

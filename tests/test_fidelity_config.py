@@ -4,14 +4,11 @@
 from __future__ import annotations
 
 import pytest
-from hydra import compose, initialize_config_module
 
 from recipe_hacpo.config import ConfigError, HacpoSettings, hacpo_settings, validate
+from helpers.compose import compose_config as _compose
 
 
-def _compose(name: str, overrides: list[str]):
-    with initialize_config_module("recipe_hacpo.configs", version_base=None):
-        return compose(name, overrides=overrides)
 
 
 GPUS_8 = ["++ray_kwargs.ray_init.num_gpus=8"]

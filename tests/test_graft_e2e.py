@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from conftest import REAL_PAIR
-from golden import check_golden
-from e2e_run import REPO, agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
+from helpers.golden import check_golden
+from helpers.e2e import REPO, agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.graft import grpo_advantage

@@ -13,7 +13,7 @@ from dataclasses import fields
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
+from helpers.compose import compose_config as _compose
 from omegaconf import OmegaConf
 
 from recipe_hacpo import core_algos
@@ -32,9 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 KEYS = [f.name for f in fields(HacpoSettings)]
 
 
-def _compose(name: str, overrides: list[str]):
-    with initialize_config_module("recipe_hacpo.configs", version_base=None):
-        return compose(name, overrides=overrides)
 
 
 def test_every_key_has_a_meaning_a_section_and_a_valid_default():

@@ -11,9 +11,8 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from golden import check_golden
-from e2e_run import assert_finite_losses, assert_weights_changed, checkpoint_weights, run_main, train_steps
-from test_reliability import _training_metrics
+from helpers.golden import check_golden, training_metrics
+from helpers.e2e import assert_finite_losses, assert_weights_changed, checkpoint_weights, run_main, train_steps
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.evaluation import EvalError
@@ -166,7 +165,7 @@ def test_lora_resume_from_a_checkpoint_reproduces_the_uninterrupted_step(lora_ru
     )
     again = train_steps(resumed)
     assert sorted(again) == [3]
-    expected, got = _training_metrics(steps[3]), _training_metrics(again[3])
+    expected, got = training_metrics(steps[3]), training_metrics(again[3])
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         assert got[key] == pytest.approx(value, rel=1e-6, abs=1e-9), key

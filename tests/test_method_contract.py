@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from e2e_run import REPO, agent_overrides, assert_weights_changed, run_main, train_steps
+from helpers.e2e import REPO, agent_overrides, assert_weights_changed, run_main, train_steps
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.hacpo_settings import MODES, ConfigError, HacpoSettings

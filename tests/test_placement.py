@@ -8,17 +8,14 @@ import shutil
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
 
 from recipe_hacpo import placement
 from recipe_hacpo.config import agent_specs
+from helpers.compose import compose_config as _compose
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _compose(name: str, overrides=()):
-    with initialize_config_module("recipe_hacpo.configs", version_base=None):
-        return compose(name, overrides=list(overrides))
 
 
 def _requests(overrides=(), device="cuda"):

@@ -12,10 +12,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
 
 from recipe_hacpo import planner
 from recipe_hacpo.config import ConfigError, agent_specs, validate
+from helpers.compose import compose_config as _compose
 
 REPO = Path(__file__).resolve().parents[1]
 SHAPES = REPO / "tests" / "fixtures" / "model_shapes"
@@ -28,9 +28,6 @@ def _shape(name: str) -> planner.ModelShape:
     return planner.ModelShape.from_config(planner.read_model_config(str(SHAPES / name)))
 
 
-def _compose(name: str, overrides: list[str] = ()):
-    with initialize_config_module("recipe_hacpo.configs", version_base=None):
-        return compose(name, overrides=list(overrides))
 
 
 def _local_models(preset: str) -> list[str]:

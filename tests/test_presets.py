@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_module
 
 from recipe_hacpo.config import ConfigError, agent_verl_config, validate
+from helpers.compose import compose_config as _compose
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
@@ -50,9 +50,6 @@ def _pair(preset: str) -> str:
     return preset.removeprefix("pair_").removesuffix("_4gpu").removesuffix("_1gpu").removesuffix("_lora")
 
 
-def _compose(name: str, overrides: list[str]):
-    with initialize_config_module("recipe_hacpo.configs", version_base=None):
-        return compose(name, overrides=overrides)
 
 
 @pytest.fixture(autouse=True)

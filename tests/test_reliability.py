@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 from torchdata.stateful_dataloader import StatefulDataLoader
-from golden import check_golden
+from helpers.golden import check_golden, training_metrics
 from verl import DataProto
 
 from recipe_hacpo import batch_keys as K
@@ -484,12 +484,6 @@ def test_trainer_score_reports_reward_failures_per_agent(char_tokenizer, pair_to
 
 
 # ============================================================================ bad configuration and data
-@pytest.fixture
-def demo_overrides(tiny_agent_paths):
-    return [
-        f"agents.0.model_path={tiny_agent_paths['qwen2-char-small']}",
-        f"agents.1.model_path={tiny_agent_paths['llama-pair-medium']}",
-    ]
 
 
 def _rows(n: int) -> list[dict]:
@@ -734,11 +728,6 @@ def _own_rows(batch_path: str) -> list[tuple]:
 
 
 # a metric that measures the machine rather than the training (wall times, throughput)
-_MACHINE_METRICS = ("timing_s/", "/timing_s/", "perf/", "/perf/")
-
-
-def _training_metrics(step: dict) -> dict:
-    return {k: v for k, v in step.items() if not any(m in k for m in _MACHINE_METRICS)}
 
 
 def _wait_for_phase(proc, progress_file: str, step: int, phase: str, timeout_s: float = 900) -> dict:
@@ -812,7 +801,7 @@ def test_e2e_killed_mid_checkpoint_and_worker_lost_mid_update_then_resumed_runs_
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     reference_steps = _steps(reference)
     check_golden("hacpo_pair", reference_steps)
-    expected = {step: _training_metrics(data) for step, data in reference_steps.items()}
+    expected = {step: training_metrics(data) for step, data in reference_steps.items()}
     assert sorted(expected) == [1, 2, 3]
     # the comparison has teeth: the agents' rewards and losses move from step to step
     assert len({expected[s]["agent/qwen_char/actor/pg_loss"] for s in expected}) == 3
@@ -834,7 +823,7 @@ def test_e2e_killed_mid_checkpoint_and_worker_lost_mid_update_then_resumed_runs_
     def collect(out: str) -> None:
         for s, data in _steps(out).items():
             assert s not in logged, f"step {s} was trained twice"
-            logged[s] = _training_metrics(data)
+            logged[s] = training_metrics(data)
 
     # piece 0: the whole run killed while step 2's checkpoint is being written
     out, _, log, proc = start(0)

@@ -10,7 +10,8 @@ import os
 import numpy as np
 import pytest
 import torch
-from test_config import _compose, _first_agent_only, demo_overrides  # noqa: F401 (a fixture)
+from helpers.compose import compose_config as _compose
+from helpers.compose import first_agent_only as _first_agent_only
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.config import ConfigError, validate

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from recipe_hacpo.config import ConfigError, validate
@@ -25,11 +24,11 @@ from recipe_hacpo.rollout_check import (
 )
 from recipe_hacpo.trainer import HacpoTrainer
 from verl import DataProto
+from helpers.compose import compose_config
 
 
 def _compose(overrides: list[str]):
-    with initialize_config_module("recipe_hacpo.configs", version_base=None):
-        return compose("hacpo_cpu_demo", overrides=overrides)
+    return compose_config("hacpo_cpu_demo", overrides)
 
 
 # ------------------------------------------------------------------ statistics by hand

@@ -18,6 +18,7 @@ from recipe_hacpo import batch_keys as K
 from recipe_hacpo.graft import compute_graft_policy_loss, grpo_advantage
 from recipe_hacpo.hacpo_settings import ConfigError, HacpoSettings
 from recipe_hacpo.sgt import compute_sgt_loss, imitation_nll, sgt_draw, sgt_selection
+from helpers.compose import compose_config
 
 F64 = torch.float64
 
@@ -346,10 +347,7 @@ def test_learner_batches_go_through_the_mini_batch_layout(char_tokenizer):
 
 # --------------------------------------------------------------------------- config
 def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_module
-
-    with initialize_config_module("recipe_hacpo.configs", version_base=None):
-        return compose("hacpo_cpu_demo", overrides=overrides)
+    return compose_config("hacpo_cpu_demo", overrides)
 
 
 def test_sgt_lambda_is_declared_once_with_its_default():

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from slurm_cluster import KILL_WAIT_S, SlurmCluster, free_port, install
+from helpers.golden import training_metrics
 
 # slurm: needs root, apt (or the packages), mknod and unshare; ray, e2e: it runs Ray and the
 # trainer, so `make test-quick` (-m "not ray and not e2e") leaves it out
@@ -39,7 +40,6 @@ JOB_TIMEOUT_S = 600
 # after KillWait's SIGKILL, the seconds a loaded machine may take until no process of the job is left
 KILL_REAP_S = 45
 # a metric that measures the machine rather than the training
-MACHINE_METRICS = ("timing_s/", "/timing_s/", "perf/", "/perf/")
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +115,6 @@ def steps_logged(out: Path, restart: int = 0) -> dict[int, dict]:
         return {}
     records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     return {r["step"]: r["data"] for r in records if "training/global_step" in r["data"]}
-
-
-def training_metrics(step: dict) -> dict:
-    return {k: v for k, v in step.items() if not any(m in k for m in MACHINE_METRICS)}
 
 
 def job_log(out: Path) -> str:

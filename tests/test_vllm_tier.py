@@ -266,7 +266,7 @@ def test_two_agents_train_through_their_own_vllm_servers(reference, vllm_agents)
 
 
 def test_learner_batches_hold_own_and_retokenized_peer_rows(reference, vllm_agents):
-    from e2e_run import check_learner_batches
+    from helpers.e2e import check_learner_batches
 
     out, steps, _ = reference
     check_learner_batches(os.path.join(out, "batches", "step_2"), {NAMES[k]: vllm_agents[k] for k in PAIR})

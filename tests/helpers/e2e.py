@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.core_algos import compute_hacpo_advantage
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def run_main(out_dir: str, overrides: list[str], timeout: int = 900, env: dict | None = None) -> list[dict]:

@@ -14,7 +14,7 @@ import math
 import os
 from pathlib import Path
 
-GOLDEN_DIR = Path(__file__).parent / "golden"
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "golden"
 RECORD_ENV = "HACPO_RECORD_GOLDEN"
 
 # what the machine measures, not what the run trained: timings and throughput

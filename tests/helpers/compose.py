@@ -1,0 +1,22 @@
+"""The Hydra composition of a shipped config (recipe_hacpo/configs), as the CLI composes it."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+def compose_config(name: str = "hacpo_cpu_demo", overrides: Iterable[str] = ()):
+    """The config `name` with Hydra `overrides`, unresolved and unvalidated."""
+    from hydra import compose, initialize_config_module
+
+    with initialize_config_module("recipe_hacpo.configs", version_base=None):
+        return compose(name, overrides=list(overrides))
+
+
+def first_agent_only(cfg):
+    """`cfg` with its agents list cut to the first agent (in place; returned)."""
+    from omegaconf import open_dict
+
+    with open_dict(cfg):
+        cfg.agents = cfg.agents[:1]
+    return cfg
