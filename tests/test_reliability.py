@@ -19,6 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 from torchdata.stateful_dataloader import StatefulDataLoader
+from helpers.e2e import logged_steps
 from helpers.golden import check_golden, training_metrics
 from verl import DataProto
 
@@ -673,15 +674,7 @@ def _env(out_dir: str) -> dict:
                 HACPO_DATA_DIR=os.path.join(REPO, "data"))
 
 
-def _steps(out_dir: str) -> dict[int, dict]:
-    import json
-
-    path = os.path.join(out_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return {}
-    with open(path) as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    return {r["step"]: r["data"] for r in records if "training/global_step" in r["data"]}
+_steps = logged_steps
 
 
 def _agents(paths: dict[str, str]) -> list[str]:

@@ -30,18 +30,19 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 import torch
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo import tiny_agents
-from test_reliability import _kill_during, _steps
+from helpers.e2e import logged_steps as _steps
 
 pytestmark = [pytest.mark.vllm]
 
@@ -302,14 +303,14 @@ def test_sigkill_mid_rollout_then_resume_reproduces_the_reference(reference, vll
     killed = os.path.join(work, "killed")
     os.makedirs(killed)
     progress = os.path.join(killed, "progress.json")
+    # the driver's hook holds the trainer once step 2's rollouts are on their way to the servers
+    # (tests/vllm_driver.py): the kill lands mid-rollout on a fast machine as on a slow one
+    held = os.path.join(killed, "held_agents")
     with open(os.path.join(killed, "log.txt"), "w") as log:
         proc = subprocess.Popen(_cmd(killed, common + [f"trainer.progress_file={progress}"]), cwd=REPO,
-                                env=_env(killed, ray_tmp), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        # a random moment in the first quarter of the reference's step-2 rollout (1.5-2.6 s for these
-        # agents; step 1's includes the engines' warm-up, 24-38× longer): a quarter, not a half, so
-        # that a run on a less loaded machine than the reference's is still in the phase
-        delay = random.uniform(0.0, 0.25) * ref_steps[2]["timing_s/gen"]
-        at_kill = _kill_during(proc, progress, 2, "gen", delay)
+                                env=_env(killed, ray_tmp, HACPO_TEST_HOLD_ROLLOUT=f"2:{held}"), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+        at_kill = _kill_when_held(proc, held, progress, agents=len(PAIR))
     assert at_kill == "gen of step 2", at_kill
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "1"
     assert sorted(_steps(killed)) == [1]
@@ -328,6 +329,25 @@ def test_sigkill_mid_rollout_then_resume_reproduces_the_reference(reference, vll
     assert got.keys() == expected.keys()
     for key, value in expected.items():
         assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-7), (key, value, got[key])
+
+
+def _kill_when_held(proc, held_file: str, progress_file: str, agents: int, timeout_s: float = 900) -> str:
+    """SIGKILL the run's process group once `held_file` names `agents` agents (every rollout of
+    the held step sent); return the phase its progress file shows then."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            if os.path.exists(held_file) and len(open(held_file).read().split()) >= agents:
+                break
+            time.sleep(0.05)
+        else:
+            raise AssertionError(f"the rollout was never held (exit {proc.poll()}, {held_file})")
+        with open(progress_file) as f:
+            at_kill = json.load(f)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+    return f"{at_kill['phase']} of step {at_kill['step']}"
 
 
 # ----------------------------------------------------------------------------- three agents

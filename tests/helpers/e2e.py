@@ -117,3 +117,13 @@ def check_learner_batches(step_dir: str, model_dirs: dict[str, str], prompts: in
         assert torch.all(b.batch[K.OMEGA][~cross] == 1.0)
         expected_omega = (caps[src[cross]] / caps[k]).clamp(*tracker["omega_clip"]).float()
         assert torch.allclose(b.batch[K.OMEGA][cross], expected_omega, rtol=1e-6)
+
+
+def logged_steps(out_dir: str) -> dict[int, dict]:
+    """{step: verl's logged data} of the run whose file logger wrote `out_dir`/metrics.jsonl
+    ({} before its first step)."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return train_steps([json.loads(line) for line in f if line.strip()])
