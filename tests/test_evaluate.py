@@ -17,6 +17,7 @@ from recipe_hacpo.evaluation import benchmarks as evb
 from recipe_hacpo.evaluation import checkpoints as evc
 from recipe_hacpo.evaluation import generators as evg
 from recipe_hacpo.data.schema import make_row, write_rows
+from helpers.evaluation import QUESTIONS, write_bench as _bench
 
 # (key, data_source as recipe_hacpo.data.prepare writes it)
 SOURCES = {
@@ -28,18 +29,7 @@ SOURCES = {
     "minerva": "minerva",
     "olympiadbench": "olympiadbench",
 }
-QUESTIONS = [("What is 2 + 3?", "5"), ("What is 4 + 4?", "8")]
 HEADER = ["Method", "MATH-500", "MATH", "GSM8K", "AIME25", "AMC23", "Minerva", "OlympiadBench", "AVG"]
-
-
-def _bench(path, key: str, questions=QUESTIONS) -> str:
-    rows = [
-        make_row(SOURCES[key], f"{q} Let's think step by step and output the final answer within \\boxed{{}}.", "math", a, "test", i)
-        for i, (q, a) in enumerate(questions)
-    ]
-    out = os.path.join(str(path), f"{key}_test.parquet")
-    write_rows(rows, out)
-    return out
 
 
 # --------------------------------------------------------------------------- metrics

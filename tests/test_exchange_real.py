@@ -18,7 +18,7 @@ import unicodedata
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_exchange import _messages, _valid_prompt_ids, _valid_response_ids, assert_layout, make_source_batch
+from helpers.exchange import messages as _messages, valid_prompt_ids as _valid_prompt_ids, valid_response_ids as _valid_response_ids, assert_layout, make_source_batch
 from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
 from recipe_hacpo import batch_keys

@@ -23,6 +23,7 @@ from recipe_hacpo.graft import (
     graft_selection,
     grpo_advantage,
 )
+from helpers.verl_losses import verl_vanilla_loss as _verl_vanilla
 
 F64 = torch.float64
 
@@ -255,17 +256,6 @@ def test_graft_loss_ratio_is_against_the_receivers_old_policy():
     assert loss.item() == pytest.approx(-0.85 * 2.0)
     (grad,) = torch.autograd.grad(loss, log_prob)
     assert grad.flatten().tolist() == pytest.approx(sum([[-0.85 * 2.0 / 2] * 2], []))
-
-
-def _verl_vanilla(log_prob, old, adv, mask, low, high):
-    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
-    from verl.workers.config import FSDPActorConfig
-
-    cfg = FSDPActorConfig(
-        strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=1, rollout_n=1,
-        clip_ratio_low=low, clip_ratio_high=high, loss_agg_mode="token-mean",
-    )
-    return compute_policy_loss_vanilla(old, log_prob, adv, mask, "token-mean", cfg), cfg.clip_ratio_c
 
 
 @pytest.mark.parametrize("seed", [0, 1])

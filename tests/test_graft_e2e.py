@@ -119,7 +119,7 @@ def test_graft_resume_continues_from_checkpoint_and_evaluates_it(graft_run, warm
     import subprocess
     import sys
 
-    from test_evaluate import _bench
+    from helpers.evaluation import write_bench as _bench
 
     out, _, kinds = graft_run
     records = run_main(

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from test_update_record import CROSS, MINI, OWN, PROMPTS, _config, _learner_batch, _runtime, ray_cluster  # noqa: F401
+from helpers.update import CROSS, MINI, OWN, PROMPTS, learner_config as _config, learner_batch as _learner_batch, agent_runtime as _runtime, ray_cluster  # noqa: F401
 
 from recipe_hacpo import batch_keys as K
 

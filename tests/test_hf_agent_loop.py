@@ -125,7 +125,7 @@ class _OneServerBalancer:
 
 
 def _worker_config(model_path: str):
-    from test_cpu_backend import CPU_OVERRIDES, compose_ppo_config
+    from helpers.verl_cpu import CPU_OVERRIDES, compose_ppo_config
 
     return compose_ppo_config(
         [

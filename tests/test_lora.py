@@ -175,7 +175,7 @@ def test_lora_resume_from_a_checkpoint_reproduces_the_uninterrupted_step(lora_ru
 @pytest.mark.e2e
 @pytest.mark.ray
 def test_evaluate_loads_a_lora_checkpoint(lora_run, tmp_path):
-    from test_evaluate import _bench
+    from helpers.evaluation import write_bench as _bench
     from verl import DataProto
 
     from recipe_hacpo import evaluate as ev

@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_graft import _verl_vanilla
+from helpers.verl_losses import verl_vanilla_loss as _verl_vanilla
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.graft import compute_graft_policy_loss, grpo_advantage

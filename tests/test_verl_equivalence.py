@@ -86,7 +86,7 @@ def test_isolated_recipe_equals_verl_main_ppo_first_step(tmp_path, tiny_agent_pa
     ]
 
     # verl's own trainer (the overrides that run it on CPU, from test_cpu_backend)
-    from test_cpu_backend import CPU_OVERRIDES, ray_overrides
+    from helpers.verl_cpu import CPU_OVERRIDES, ray_overrides
 
     verl_dir = tmp_path / "verl"
     verl_dir.mkdir()
