@@ -330,3 +330,25 @@ def test_20_the_engines_model_and_tokenizer_and_the_vllm_servers_vocabulary_ban(
         utils_source = f.read()
     _contract("20 (engine ban)", 'logits[..., vocab_size:] = float("-inf")' in utils_source,
               "verl's vLLM server no longer bans the rows beyond len(tokenizer) as the recipe mirrors")
+
+
+def test_21_merged_lora_weights_reach_the_engine_in_bf16():
+    from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
+
+    merged = _source(FSDPEngine._merged_lora_per_tensor_param)
+    _contract("21 (merged LoRA in bf16)", ".to(torch.bfloat16" in merged,
+              "merged LoRA weights no longer go to the engine in bfloat16; rollout_check.agent_precision assumes they do")
+
+
+def test_22_the_weight_bucket_module_the_preflight_loads_by_path():
+    import os
+
+    import verl
+
+    path = os.path.join(os.path.dirname(verl.__file__), "workers", "rollout", "vllm_rollout", "bucketed_weight_transfer.py")
+    _contract("22 (bucket module)", os.path.exists(path), f"{path} is gone")
+    with open(path) as f:
+        source = f.read()
+    for name in ("class BucketedWeightSender", "class BucketedWeightReceiver"):
+        _contract(f"22 ({name})", name in source, f"{path} no longer defines {name.split()[1]}")
+
