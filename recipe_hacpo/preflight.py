@@ -275,7 +275,11 @@ _NEEDS = {"verl": "verl", "zmq": "pyzmq", "ray": "ray", "vllm": "vLLM", "hydra":
 def _missing(*modules: str) -> str | None:
     """"X not installed" for the first of `modules` that cannot be imported, else None."""
     for module in modules:
-        if importlib.util.find_spec(module) is None:
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
             return f"{_NEEDS.get(module, module)} not installed"
     return None
 
@@ -289,17 +293,36 @@ def _spawn(target, args_list: list[tuple], timeout: float) -> tuple[list, str | 
 
     import multiprocessing as mp
 
+    if target.__module__ == "__main__":  # `python -m recipe_hacpo.preflight`: children import it by name
+        target = getattr(importlib.import_module("recipe_hacpo.preflight"), target.__name__)
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=target, args=(*args, q), daemon=True) for args in args_list]
     for p in procs:
         p.start()
+    import time
+
     reports, error = [], None
-    try:
-        for _ in procs:
-            reports.append(q.get(timeout=timeout))
-    except queue_mod.Empty:
-        error = f"timed out after {timeout:.0f}s waiting for {len(procs) - len(reports)} of {len(procs)} processes"
+    deadline = time.monotonic() + timeout
+    while len(reports) < len(procs):
+        try:
+            reports.append(q.get(timeout=1.0))
+            continue
+        except queue_mod.Empty:
+            pass
+        if time.monotonic() > deadline:
+            error = f"timed out after {timeout:.0f}s waiting for {len(procs) - len(reports)} of {len(procs)} processes"
+            break
+        if not any(p.is_alive() for p in procs):  # a crash (a signal, os._exit) leaves no report
+            try:
+                while True:
+                    reports.append(q.get(timeout=1.0))
+            except queue_mod.Empty:
+                pass
+            if len(reports) < len(procs):
+                codes = sorted({p.exitcode for p in procs if p.exitcode != 0})
+                error = f"{len(procs) - len(reports)} of {len(procs)} processes exited without a report (exit codes {codes})"
+            break
     for p in procs:
         p.join(timeout=10)
         if p.is_alive():
@@ -437,6 +460,9 @@ def ipc_check(cuda: bool, timeout: float = 240.0) -> dict:
 
     job = f"preflight{uuid.uuid4().hex[:8]}"
     handles = ipc_socket_names(job)
+    if len(set(handles.values())) != len(handles):  # the second bind would unlink the first agent's socket
+        return {"transport": "CUDA IPC" if cuda else "shared memory", "sockets": handles, "agents": {}, "peak": 0.0,
+                "error": f"two agents share one socket name: {sorted(set(handles.values()))}"}
     reports, error = _spawn(_ipc_side, [("receive", handles, cuda), ("send", handles, cuda)], timeout)
     received = next((r["results"] for r in reports if r["side"] == "receive"), {})
     return {"transport": "CUDA IPC" if cuda else "shared memory", "sockets": handles, "error": error,
@@ -451,8 +477,6 @@ def phase_ipc() -> Verdict:
     r = ipc_check(cuda)
     peak = r["peak"] if cuda else None
     stand_in = "" if cuda else "(CPU stand-in: shared memory) "
-    if len(set(r["sockets"].values())) != len(r["sockets"]):
-        return Verdict("ipc", "failed", f"{stand_in}two agents share one socket name: {r['sockets']}", peak)
     if r["error"]:
         return Verdict("ipc", "failed", f"{stand_in}{r['error']}", peak)
     problems = []

@@ -201,3 +201,56 @@ def test_loss_check_fails_when_the_loss_accumulates_in_bf16(monkeypatch):
     monkeypatch.setattr(ca, "to_accumulation_dtype", lambda x: x)
     verdict = preflight.phase_loss()
     assert verdict.status == "failed"
+
+
+# A GPU node as it comes: torch and transformers, none of verl, Ray, vLLM, pyzmq, hydra, omegaconf
+_BARE_NODE = """
+import runpy, sys
+BLOCKED = {"verl", "ray", "zmq", "vllm", "hydra", "omegaconf", "tensordict"}
+class Block:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+if __name__ == "__main__":
+    sys.meta_path.insert(0, Block())
+    sys.argv = ["preflight", *sys.argv[1:]]
+    runpy.run_module("recipe_hacpo.preflight", run_name="__main__")
+"""
+
+
+def test_a_node_without_verl_ray_or_vllm_gets_one_line_per_phase(tmp_path):
+    script = tmp_path / "bare_node.py"
+    script.write_text(_BARE_NODE)
+    out = tmp_path / "v.json"
+    proc = subprocess.run([sys.executable, str(script), "--json", str(out), "--skip", "nccl"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    import json
+
+    verdicts = {v["phase"]: (v["status"], v["detail"]) for v in json.loads(out.read_text())}
+    assert verdicts["loss"][0] == "passed" and "own rows vs verl GSPO: skipped: verl not installed" in verdicts["loss"][1]
+    assert verdicts["config"] == ("skipped", "hydra-core not installed")
+    assert verdicts["ipc"] == ("skipped", "verl not installed")
+    assert verdicts["train"] == ("skipped", "verl not installed")
+    assert verdicts["nccl"] == ("skipped", "left out (--skip)")
+
+
+def _dies_without_a_report(q):
+    os._exit(3)
+
+
+def test_a_child_that_dies_is_one_line_not_a_wait_for_the_timeout():
+    import time
+
+    t0 = time.monotonic()
+    reports, error = preflight._spawn(_dies_without_a_report, [(), ()], timeout=120)
+    assert reports == [] and error == "2 of 2 processes exited without a report (exit codes [3])"
+    assert time.monotonic() - t0 < 60
+
+
+def test_two_agents_on_one_socket_name_fail_before_anything_is_sent(monkeypatch):
+    same = "ipc:///tmp/rl-colocate-zmq-x-replica-0-rank-0.sock"
+    monkeypatch.setattr(preflight, "ipc_socket_names", lambda job: {"qwen_char": same, "llama_pair": same})
+    v = preflight.phase_ipc()
+    assert v.status == "failed" and "two agents share one socket name" in v.detail
