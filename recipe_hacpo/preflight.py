@@ -542,7 +542,8 @@ def _group_member(agent_index: int, rank: int, world: int, port: int, cuda: bool
         dist.destroy_process_group()
         q.put(report)
     except Exception as exc:
-        q.put({"agent": agent_index, "rank": rank, "peak": 0.0, "error": f"agent {agent_index} rank {rank}: {_child_error(exc)}"})
+        q.put({"agent": agent_index, "rank": rank, "peak": 0.0,
+               "error": f"agent {agent_index} rank {rank}: {_child_error(exc)}"})
 
 
 def nccl_check(cuda: bool, timeout: float = 240.0) -> dict:
@@ -639,12 +640,26 @@ def _run_main(overrides: list[str], work: str, name: str, timeout: float) -> dic
     if _repo_data_dir():
         env["HACPO_DATA_DIR"] = _repo_data_dir()
     log_path = os.path.join(work, f"run_{name}.log")
-    try:
-        with open(log_path, "w") as log:
-            rc = subprocess.run([sys.executable, "-m", "recipe_hacpo.main", *overrides, "trainer.resume_mode=auto"],
-                                stdout=log, stderr=subprocess.STDOUT, timeout=timeout, env=env).returncode
-    except subprocess.TimeoutExpired:
-        rc = "timeout"
+    import signal
+
+    with open(log_path, "w") as log:
+        # its own process group: on a timeout, SIGINT (main.py's stop handlers) then SIGKILL reach
+        # the Ray processes it started too
+        proc = subprocess.Popen([sys.executable, "-m", "recipe_hacpo.main", *overrides, "trainer.resume_mode=auto"],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+            for sig, grace in ((signal.SIGINT, 30), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                    proc.wait(timeout=grace)
+                    break
+                except ProcessLookupError:
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
     records = []
     metrics = env["VERL_FILE_LOGGER_PATH"]
     if os.path.isfile(metrics):
@@ -656,7 +671,8 @@ def _run_main(overrides: list[str], work: str, name: str, timeout: float) -> dic
         with open(log_path, errors="replace") as f:
             lines = [l.strip() for l in f if l.strip()]
         errs = [l for l in lines if re.search(r"(Error|error:|Exception|CUDA|NCCL)", l) and "Warning" not in l]
-        why = f"run {name} {'timed out' if rc == 'timeout' else f'exit {rc}'}: " + ((errs or lines or ["no output"])[-1])[:300]
+        how = "timed out" if rc == "timeout" else f"exit {rc}"
+        why = f"run {name} {how}: " + ((errs or lines or ["no output"])[-1])[:300]
     return {"rc": rc, "steps": steps, "why": why, "log": log_path}
 
 
@@ -740,7 +756,8 @@ def phase_train() -> Verdict:
             shutil.rmtree(work, ignore_errors=True)
     stand_in = "" if cuda else "(CPU stand-in: param/optimizer offload for both; offload_policy: skipped: no GPU) "
     if r["problems"]:
-        return Verdict("train", "failed", stand_in + "; ".join(r["problems"][:2]), r["peak"])
+        keep = "" if os.environ.get("HACPO_PREFLIGHT_KEEP") == "1" else " (HACPO_PREFLIGHT_KEEP=1 keeps the logs)"
+        return Verdict("train", "failed", stand_in + "; ".join(r["problems"][:2]) + keep, r["peak"])
     return Verdict("train", "passed", f"{stand_in}2 tiny agents on one shared {'GPU' if cuda else 'CPU'} in bf16, "
                    f"HACPO step 1 + checkpoint, then a resume from global_step_1 + step 2 + checkpoint; both agents' "
                    f"pg_loss finite every step", r["peak"])

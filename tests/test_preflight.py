@@ -112,7 +112,8 @@ def test_judge_train_finds_what_a_broken_run_leaves(tmp_path):
     assert preflight.judge_train({1: ok}, {2: ok}, str(tmp_path), agents) == []
     problems = preflight.judge_train({1: ok}, {1: ok, 2: ok}, str(tmp_path), agents)
     assert problems == ["run B logged steps [1, 2], expected [2] (a resume from global_step_1)"]
-    problems = preflight.judge_train({1: ok}, {2: ok | {"agent/llama_pair/actor/pg_loss": float("nan")}}, str(tmp_path), agents)
+    nan = ok | {"agent/llama_pair/actor/pg_loss": float("nan")}
+    problems = preflight.judge_train({1: ok}, {2: nan}, str(tmp_path), agents)
     assert problems == ["run B step 2: llama_pair pg_loss nan"]
     import shutil
 
@@ -176,7 +177,8 @@ def test_run_phase_turns_exceptions_into_one_line():
 
     assert preflight.run_phase(phase_vllm) == preflight.Verdict("vllm", "skipped", "vLLM not installed")
     assert preflight.run_phase(phase_train).status == "failed"
-    assert preflight.run_phase(phase_nccl) == preflight.Verdict("nccl", "failed", "RuntimeError: NCCL error: unhandled system error")
+    assert preflight.run_phase(phase_nccl) == preflight.Verdict("nccl", "failed",
+                                                                "RuntimeError: NCCL error: unhandled system error")
 
 
 def test_train_overrides_on_a_gpu_give_the_second_agent_offload_policy():
@@ -254,3 +256,13 @@ def test_two_agents_on_one_socket_name_fail_before_anything_is_sent(monkeypatch)
     monkeypatch.setattr(preflight, "ipc_socket_names", lambda job: {"qwen_char": same, "llama_pair": same})
     v = preflight.phase_ipc()
     assert v.status == "failed" and "two agents share one socket name" in v.detail
+
+
+def test_a_training_run_past_its_limit_is_stopped_and_one_line(tmp_path):
+    import time
+
+    t0 = time.monotonic()
+    run = preflight._run_main(["--config-name", "hacpo_cpu_demo"], str(tmp_path), "A", timeout=1)
+    assert run["rc"] == "timeout" and run["steps"] == {}
+    assert run["why"].startswith("run A timed out: ") and "\n" not in run["why"]
+    assert time.monotonic() - t0 < 45
