@@ -95,8 +95,10 @@ test-all: test
 # Ray cluster, Slurm daemons or timed kills, and keeps both cores busy by itself).
 test-fast: test-quick test-ray
 
-# what to run first on a GPU node (recipe_hacpo/preflight.py); on a CPU machine the GPU parts
-# say "skipped: no GPU". PREFLIGHT_PY: the Python of the GPU install (default: this venv's).
+# what to run first on a GPU node (recipe_hacpo/preflight.py); on a CPU machine the device phases
+# run their CPU stand-ins (shared memory for CUDA IPC, gloo for NCCL, the two agents' training and
+# resume on CPU: a few minutes) and the GPU-only parts say "skipped: no GPU". PREFLIGHT_PY: the
+# Python of the GPU install (default: this venv's).
 PREFLIGHT_PY ?= $(VPY)
 preflight:
 	$(PREFLIGHT_PY) -m recipe_hacpo.preflight
