@@ -17,18 +17,9 @@ from recipe_hacpo.evaluation import benchmarks as evb
 from recipe_hacpo.evaluation import checkpoints as evc
 from recipe_hacpo.evaluation import generators as evg
 from recipe_hacpo.data.schema import make_row, write_rows
-from helpers.evaluation import QUESTIONS, write_bench as _bench
+from helpers.evaluation import QUESTIONS, SOURCES, write_bench as _bench
 
 # (key, data_source as recipe_hacpo.data.prepare writes it)
-SOURCES = {
-    "math500": "HuggingFaceH4/MATH-500",
-    "math": "lighteval/MATH",
-    "gsm8k": "openai/gsm8k",
-    "aime25": "aime25",
-    "amc23": "amc23",
-    "minerva": "minerva",
-    "olympiadbench": "olympiadbench",
-}
 HEADER = ["Method", "MATH-500", "MATH", "GSM8K", "AIME25", "AMC23", "Minerva", "OlympiadBench", "AVG"]
 
 

@@ -39,13 +39,6 @@ QUESTIONS = ["What is 0123+0456?", "Solve x^2 = 4.", "Compute \\frac{12}{3}."]
 ANSWERS = ["0123+0456 = 579, so \\boxed{579}", "x = 2 or x = -2", "It is 4."]
 
 
-def _pad(tok, ids, width, side):
-    """verl's own per-row padding (AgentLoopWorker._pad_token_ids)."""
-    return AgentLoopWorker._pad_token_ids(
-        types.SimpleNamespace(tokenizer=tok), list(ids), max_length=width, padding_side=side, return_attention_mask=True
-    )
-
-
 @pytest.fixture(scope="module")
 def char_to_pair(char_tokenizer, pair_tokenizer):
     return RolloutExchange(char_tokenizer, pair_tokenizer, max_prompt_length=128, max_response_length=48)

@@ -19,12 +19,6 @@ from helpers.update import CROSS, MINI, OWN, PROMPTS, learner_config as _config,
 pytestmark = [pytest.mark.ray]
 
 
-def _set_total_steps(agent_cfg) -> None:
-    from omegaconf import OmegaConf
-
-    OmegaConf.update(agent_cfg, "actor_rollout_ref.actor.optim.total_training_steps", 1, force_add=True)
-
-
 @pytest.mark.parametrize("dp", [1, 2])
 def test_every_mini_batch_mixes_own_and_cross_rows_and_m_advances(ray_cluster, tiny_agent_paths, dp):
     agent_cfg, spec, hacpo = _config(tiny_agent_paths["qwen2-char-small"], dp, "hacpo")

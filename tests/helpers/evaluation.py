@@ -5,6 +5,17 @@ from __future__ import annotations
 import os
 from recipe_hacpo.data.schema import make_row, write_rows
 
+
+SOURCES = {
+    "math500": "HuggingFaceH4/MATH-500",
+    "math": "lighteval/MATH",
+    "gsm8k": "openai/gsm8k",
+    "aime25": "aime25",
+    "amc23": "amc23",
+    "minerva": "minerva",
+    "olympiadbench": "olympiadbench",
+}
+
 QUESTIONS = [("What is 2 + 3?", "5"), ("What is 4 + 4?", "8")]
 
 

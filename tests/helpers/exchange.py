@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+import types
 import numpy as np
 import torch
 from tensordict import TensorDict
@@ -12,6 +14,13 @@ from recipe_hacpo import batch_keys
 from recipe_hacpo.exchange import LAYOUT_KEYS
 
 P_SRC, R_SRC = 48, 40  # the source batch's prompt and response widths
+
+
+def _pad(tok, ids, width, side):
+    """verl's own per-row padding (AgentLoopWorker._pad_token_ids)."""
+    return AgentLoopWorker._pad_token_ids(
+        types.SimpleNamespace(tokenizer=tok), list(ids), max_length=width, padding_side=side, return_attention_mask=True
+    )
 
 
 def messages(question: str) -> list[dict]:

@@ -11,6 +11,12 @@ from recipe_hacpo import batch_keys as K
 PROMPTS, OWN, CROSS, MINI = 8, 2, 2, 2  # 8 prompts, mini-batches of 2 prompts → 4 updates
 
 
+def _set_total_steps(agent_cfg) -> None:
+    from omegaconf import OmegaConf
+
+    OmegaConf.update(agent_cfg, "actor_rollout_ref.actor.optim.total_training_steps", 1, force_add=True)
+
+
 def learner_config(model_path: str, dp: int, mode: str, extra: tuple[str, ...] = ()):
     from hydra import compose, initialize_config_module
 
