@@ -8,41 +8,16 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from recipe_hacpo import planner
+from recipe_hacpo.agent_spec import AgentSpec
 from recipe_hacpo.hacpo_settings import ConfigError, HacpoSettings
 from recipe_hacpo.placement import master_port_ranges
 from recipe_hacpo.rollout_check import RolloutCheck
 
 __all__ = ["AgentSpec", "ConfigError", "HacpoSettings", "agent_specs", "agent_verl_config", "hacpo_settings", "validate"]
-
-
-@dataclass(frozen=True)
-class AgentSpec:
-    """One entry of `agents:`."""
-
-    index: int
-    name: str
-    model_path: str
-    rollout_n: int
-    n_gpus_per_node: int
-    nnodes: int
-    overrides: dict = field(default_factory=dict)
-    # a Ray node resource: the agent's pool goes only to nodes that offer it (recipe_hacpo/placement.py)
-    node_resource: str | None = None
-
-    @property
-    def uses_shared_pool(self) -> bool:
-        return self.n_gpus_per_node == 0
-
-    def section(self, cfg: DictConfig, name: str) -> DictConfig:
-        """`actor_rollout_ref.<name>` (actor, rollout, ref) as this agent sees it: the template
-        with the agent's own overrides merged in. Kept on the spec so that the planner, which
-        config.validate calls, needs nothing from this module."""
-        return OmegaConf.merge(cfg.actor_rollout_ref[name], self.overrides.get(name, {}))
 
 
 def hacpo_settings(cfg: DictConfig) -> HacpoSettings:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from verl import DataProto
 
-    from recipe_hacpo.config import AgentSpec
+    from recipe_hacpo.agent_spec import AgentSpec
     from recipe_hacpo.hacpo_settings import HacpoSettings
     from recipe_hacpo.workers.hacpo_loss import Objective
 

@@ -33,7 +33,7 @@ from recipe_hacpo.workers.hacpo_loss import MicroBatch, Objective, PolicyTerm, a
 from verl import DataProto
 
 if TYPE_CHECKING:
-    from recipe_hacpo.config import AgentSpec
+    from recipe_hacpo.agent_spec import AgentSpec
     from recipe_hacpo.hacpo_settings import HacpoSettings
 
 
