@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
-from helpers.golden import check_golden, training_metrics
+from helpers.golden import training_metrics
 from helpers.e2e import assert_finite_losses, assert_weights_changed, checkpoint_weights, run_main, train_steps
 
 from recipe_hacpo import batch_keys as K
@@ -105,7 +105,6 @@ COMMON = ["trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test
 def lora_run(tmp_path_factory, warm_agent_paths):
     out = str(tmp_path_factory.mktemp("lora"))
     records = run_main(out, _agents(warm_agent_paths) + COMMON + [f"trainer.learner_batch_dir={out}/batches"])
-    check_golden("hacpo_lora_pair", train_steps(records))
     return out, train_steps(records)
 
 
