@@ -72,6 +72,13 @@ class ToyReinforce(Method):
             batch.batch["returns"] = batch.batch["advantages"]
 
 
+class HalfMethod(Method):
+    """A method that forgot its advantages: refused by name, before anything runs."""
+
+    def exchange(self, trainer, rollouts, metrics):
+        return {}
+
+
 # ------------------------------------------------------------------ the table
 def test_every_mode_has_its_method_and_the_table_is_closed():
     assert set(METHODS) == set(MODES)
@@ -88,6 +95,8 @@ def test_a_method_outside_the_package_is_named_by_import_path():
         method_for("no_such_module:Toy")
     with pytest.raises(ConfigError, match=r"test_method_contract:REPO': REPO is not a recipe_hacpo\.methods\.Method"):
         method_for("test_method_contract:REPO")
+    with pytest.raises(ConfigError, match=r"test_method_contract:HalfMethod': Can't instantiate abstract class HalfMethod with abstract method advantages"):
+        method_for("test_method_contract:HalfMethod")
     with pytest.raises(ConfigError, match=r"algorithm\.hacpo\.mode='graft2': must be one of hacpo, naive, isolated, graft, sgt"):
         HacpoSettings.from_dict({"mode": "graft2"})
 

@@ -48,7 +48,10 @@ def method_for(mode: str) -> Method:
         raise ConfigError(f"{where}: cannot import it ({type(exc).__name__}: {exc}); put its module on PYTHONPATH") from exc
     if not (isinstance(cls, type) and issubclass(cls, Method)):
         raise ConfigError(f"{where}: {name} is not a recipe_hacpo.methods.Method subclass")
-    return cls()
+    try:
+        return cls()
+    except TypeError as exc:  # an abstract part of the contract (exchange, advantages) left undefined
+        raise ConfigError(f"{where}: {exc}") from exc
 
 
 __all__ = ["METHODS", "Method", "method_for"]

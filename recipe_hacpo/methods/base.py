@@ -23,6 +23,7 @@ typed `algorithm.hacpo`), `effective`, `tracker`, `agents`, `global_step`, `exch
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -33,8 +34,10 @@ if TYPE_CHECKING:
     from recipe_hacpo.workers.hacpo_loss import Objective
 
 
-class Method:
-    """Defaults of the contract: own rows only, the learner's GRPO-style group, verl's loss."""
+class Method(ABC):
+    """The contract; `exchange` and `advantages` every method defines, the rest has defaults:
+    no extra checks, the learner's own group size, every peer as a learner when sharing, own
+    mini-batch order, no derived step metrics, verl's loss (no objective)."""
 
     # step-metric groups its loss reports besides actor/ (kept under agent/<name>/<group>/...)
     metric_groups: tuple[str, ...] = ()
@@ -52,11 +55,13 @@ class Method:
             return []
         return [s.name for s in specs if s.name != source]
 
+    @abstractmethod
     def exchange(self, trainer: Any, rollouts: dict[str, "DataProto"], metrics: dict) -> dict[str, "DataProto"]:
-        raise NotImplementedError
+        """The learner batches ({agent name: DataProto}) from the step's scored rollouts."""
 
+    @abstractmethod
     def advantages(self, trainer: Any, batches: dict[str, "DataProto"], metrics: dict) -> None:
-        raise NotImplementedError
+        """Set `advantages` and `returns` ([B, T], 0 outside the response mask) on every batch."""
 
     def peer_order(self, settings: "HacpoSettings") -> str | None:
         return None
