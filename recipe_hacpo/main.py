@@ -137,9 +137,9 @@ def run(cfg: DictConfig) -> dict:
     started = time.time()
     verbose = _apply_verbosity(cfg)
     specs, hacpo = prepare(cfg)
-    PreemptionSettings.from_config(cfg.trainer)  # a bad trainer.preemption key fails before Ray
+    preemption = PreemptionSettings.from_config(cfg.trainer)  # a bad key fails before Ray
     # from here on SIGUSR1 / SIGTERM ask for a stop at the next safe point
-    signals = StopSignals().install()
+    signals = StopSignals(request_file=preemption.request_file).install()
     # the dataset keeps raw chat messages; each agent renders them with its own template
     tokenizer = hf_tokenizer(specs[0].model_path)
     train_loader, val_loader, steps = build_dataloaders(cfg, tokenizer)

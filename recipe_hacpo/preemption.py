@@ -60,6 +60,7 @@ class PreemptionSettings:
     slurm_end_time: bool
     margin_s: float
     record_file: str | None
+    request_file: str | None
 
     @classmethod
     def from_config(cls, trainer_cfg) -> "PreemptionSettings":
@@ -94,7 +95,8 @@ class PreemptionSettings:
         if not isinstance(raw["slurm_end_time"], bool):
             raise ConfigError(f"trainer.preemption.slurm_end_time={raw['slurm_end_time']!r}: must be true or false")
         values["slurm_end_time"] = raw["slurm_end_time"]
-        values["record_file"] = str(raw["record_file"]) if raw["record_file"] else None
+        for key in ("record_file", "request_file"):
+            values[key] = str(raw[key]) if raw[key] else None
         return cls(**values)
 
 
@@ -108,17 +110,34 @@ class StopSignals:
     The first signal asks the trainer to stop; later ones are recorded and change nothing, so a
     second signal during the checkpoint write cannot tear it. Writes to stderr with os.write:
     print() from a handler can hit the buffered stream it interrupted.
+
+    `request_file` (trainer.preemption.request_file): a launcher starts the trainer with SIGUSR1
+    ignored, so that a stop request cannot kill it by the default action before these handlers
+    are in place; a SIGUSR1 of those first seconds is then lost. The launcher writes this file
+    with every SIGUSR1 it hands on, and `install` counts an existing one as a SIGUSR1 received.
     """
 
     signums: tuple[int, ...] = (signal.SIGUSR1, signal.SIGTERM)
+    request_file: str | None = None
     received: list[tuple[str, float]] = field(default_factory=list)
     _previous: dict[int, object] = field(default_factory=dict)
+    _request_seen: bool = False
 
     def install(self) -> "StopSignals":
-        """Install (or re-install, over a handler something else put in their place) the handlers."""
+        """Install (or re-install, over a handler something else put in their place) the
+        handlers, then take up a stop request left in `request_file` before they were in place."""
         for signum in self.signums:
             previous = signal.signal(signum, self._handle)
             self._previous.setdefault(signum, previous)
+        if self.request_file and not self._request_seen:
+            try:
+                sent = os.stat(self.request_file).st_mtime
+            except OSError:
+                sent = None
+            if sent is not None:
+                self._request_seen = True
+                self._record("SIGUSR1", sent, "(sent before the trainer could catch it: "
+                             f"{self.request_file})")
         return self
 
     def restore(self) -> None:
@@ -127,12 +146,14 @@ class StopSignals:
         self._previous.clear()
 
     def _handle(self, signum: int, frame) -> None:
-        name = signal.Signals(signum).name
-        self.received.append((name, time.time()))
+        self._record(signal.Signals(signum).name, time.time())
+
+    def _record(self, name: str, when: float, how: str = "") -> None:
+        self.received.append((name, when))
         note = "stopping to be resumed at the next safe point" if len(self.received) == 1 else \
             "a stop is already under way; ignored"
         try:
-            os.write(2, f"hacpo: {name} received: {note}\n".encode())
+            os.write(2, f"hacpo: {name} received{' ' + how if how else ''}: {note}\n".encode())
         except OSError:
             pass
 

@@ -225,8 +225,16 @@ class SlurmCluster:
 
     # ------------------------------------------------------------------ jobs
     def job_state(self, job: int) -> str:
-        proc = self._run(["squeue", "-h", "-j", str(job), "-o", "%T"])
-        return proc.stdout.strip()
+        """The job's state in squeue; "" once it has left the queue. A failed squeue (a slurmctld
+        busy on a loaded machine) is asked again, never read as "gone"."""
+        for attempt in range(5):
+            proc = self._run(["squeue", "-h", "-j", str(job), "-o", "%T"])
+            if proc.returncode == 0:
+                return proc.stdout.strip()
+            if "Invalid job id" in proc.stderr:
+                return ""
+            time.sleep(1 + attempt)
+        raise ClusterError(f"squeue -j {job}: {proc.stderr.strip()}")
 
     def wait_job(self, job: int, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

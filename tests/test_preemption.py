@@ -58,8 +58,8 @@ def test_exit_status_is_ex_tempfail_and_clear_of_the_others():
 
 def test_declared_defaults_and_bad_values_are_one_line():
     s = settings()
-    assert (s.usr1_grace_s, s.term_grace_s, s.time_limit_s, s.slurm_end_time, s.margin_s, s.record_file) == (
-        300.0, 30.0, None, True, 10.0, None)
+    assert (s.usr1_grace_s, s.term_grace_s, s.time_limit_s, s.slurm_end_time, s.margin_s, s.record_file,
+            s.request_file) == (300.0, 30.0, None, True, 10.0, None, None)
     for key, value, message in [
         ("usr1_grace_s", -1, r"trainer\.preemption\.usr1_grace_s=-1: must be >= 0 seconds"),
         ("time_limit_s", 0, r"trainer\.preemption\.time_limit_s=0: must be > 0 seconds \(or null for none\)"),
@@ -153,6 +153,32 @@ def test_signal_handlers_record_and_return():
     assert [name for name, _ in s.received] == ["SIGUSR1", "SIGTERM"]
     assert s.first[0] == "SIGUSR1"
     assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+
+
+def test_a_stop_request_left_as_a_file_counts_as_a_sigusr1_once_the_handlers_are_in_place(tmp_path, capfd):
+    """A launcher starts the trainer with SIGUSR1 ignored (run_scripts/slurm/hacpo.slurm): one
+    sent before the handlers are in place is lost as a signal and taken up from the file."""
+    request = tmp_path / "stop_request"
+    none = StopSignals(request_file=str(request)).install()
+    none.restore()
+    assert none.received == []
+
+    request.touch()
+    os.utime(request, (1_000_000.0, 1_000_000.0))
+    s = StopSignals(request_file=str(request)).install()
+    try:
+        s.install()  # re-installed after Ray's start: the same request is not counted twice
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.05)
+    finally:
+        s.restore()
+    # the file's time is the signal's: the grace period counts from it
+    assert s.first == ("SIGUSR1", 1_000_000.0)
+    assert [name for name, _ in s.received] == ["SIGUSR1", "SIGUSR1"]
+    err = capfd.readouterr().err
+    assert (f"hacpo: SIGUSR1 received (sent before the trainer could catch it: {request}): stopping to be "
+            "resumed at the next safe point") in err
+    assert "hacpo: SIGUSR1 received: a stop is already under way; ignored" in err
 
 
 SHIELD_PROBE = """

@@ -522,7 +522,12 @@ def resumable(standins, tmp_path):
     (bin_dir / "python").write_text(RESUMABLE_TRAINER)
     (bin_dir / "scontrol").write_text(STANDIN.replace(
         "    scontrol) [[ $1 == show && $2 == hostnames ]]",
-        '    scontrol) if [[ $1 == show && $2 == job && -n ${STANDIN_LATE_USR1:-} ]]; then\n'
+        '    scontrol) if [[ $1 == show && $2 == hostnames && -n ${STANDIN_EARLY_USR1:-} ]]; then\n'
+        '            shell=$PPID\n'
+        '            while [[ $(ps -o args= -p "$(ps -o ppid= -p "$shell")") == *hacpo.slurm* ]]; do\n'
+        '                shell=$(ps -o ppid= -p "$shell" | tr -d " "); done\n'
+        '            kill -USR1 "$shell"; touch "$STANDIN_EARLY_USR1"; fi\n'
+        '        if [[ $1 == show && $2 == job && -n ${STANDIN_LATE_USR1:-} ]]; then\n'
         '            for _ in $(seq 500); do [[ -e $STANDIN_LATE_USR1 ]] && break; sleep 0.01; done; fi\n'
         '        [[ $1 == show && $2 == job ]] && echo "JobId=$3 Requeue=${STANDIN_REQUEUE:-1} Restarts=0"\n'
         "        [[ $1 == show && $2 == hostnames ]]"))
@@ -567,6 +572,21 @@ def test_slurm_ignores_a_stop_request_that_arrives_after_the_trainer_ended(resum
     assert "checkpoint step 5 (this run resumed from step 2)" in proc.stdout
     assert _requeues(calls) == [["scontrol", "requeue", "4242"]]
     assert (tmp_path / "logs" / "stalls").read_text().strip() == "0"
+
+
+def test_slurm_a_stop_request_at_the_jobs_start_requeues_without_starting_ray(resumable, tmp_path):
+    # `--signal=B:USR1@<secs>` on a job that starts with less time left: Slurm signals the batch
+    # shell at once, here while it reads its node list, before Ray or the trainer exist
+    sent = tmp_path / "early_usr1_sent"
+    proc, calls = resumable(STANDIN_EARLY_USR1=str(sent))
+    assert sent.exists(), proc.stdout + proc.stderr
+    assert proc.returncode == 0, (proc.returncode, proc.stdout + proc.stderr)
+    assert "hacpo: SIGUSR1 received before the trainer started; nothing to checkpoint" in proc.stdout
+    names = [argv[0] for argv, _ in calls]
+    assert "srun" not in names and not any("recipe_hacpo.main" in a for a, _ in calls), names
+    assert _requeues(calls) == [["scontrol", "requeue", "4242"]]
+    # a run that saved nothing counts towards the stall limit
+    assert (tmp_path / "logs" / "stalls").read_text().strip() == "1"
 
 
 @pytest.mark.parametrize(
@@ -625,6 +645,12 @@ def test_slurm_hands_the_signal_to_the_trainer_and_requeues_only_on_a_stop_reque
     thread.join(timeout=60)
     proc, calls = result["out"]
     assert f"hacpo: {signame} received; handing it to the trainer" in proc.stdout
+    # the trainer starts with SIGUSR1 ignored until its handlers are in place: a SIGUSR1 is also
+    # left as a file that it reads then (recipe_hacpo/preemption.py::StopSignals)
+    request = tmp_path / "logs" / "stop_request"
+    trainer = [a for a, _ in calls if "recipe_hacpo.main" in a][0]
+    assert f"++trainer.preemption.request_file={request}" in trainer
+    assert request.exists() == (signame == "SIGUSR1")
     if signame == "SIGUSR1":
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert _requeues(calls) == [["scontrol", "requeue", "4242"]]

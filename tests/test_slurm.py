@@ -122,6 +122,18 @@ def job_log(out: Path) -> str:
     return path.read_text() if path.exists() else "(no job log)"
 
 
+def job_story(cluster: SlurmCluster, job: int, out: Path) -> str:
+    """What a failure message should show first (CI keeps only part of a long one): every run of
+    the job in accounting, the script's and trainer's own `hacpo:` lines, then the ends of the
+    job log and of slurmctld's log."""
+    log = job_log(out)
+    own = "\n".join(line for line in log.splitlines() if "hacpo:" in line or "error" in line.lower())
+    ctld = cluster.root / "log" / "slurmctld.log"
+    ctld_tail = "\n".join(ctld.read_text(errors="replace").splitlines()[-15:]) if ctld.exists() else ""
+    return (f"runs: {cluster.sacct_runs(job)}\n--- hacpo lines\n{own[-3000:]}\n--- the end of the job log\n"
+            f"{log[-1500:]}\n--- the end of slurmctld.log\n{ctld_tail}")
+
+
 def assert_completed(cluster: SlurmCluster, job: int, out: Path) -> list[tuple[str, str, str]]:
     rows = cluster.sacct(job)
     context = f"sacct {rows}\n--- job log (end):\n{job_log(out)[-6000:]}"
@@ -273,6 +285,10 @@ def wait_progress(cluster: SlurmCluster, job: int, out: Path, step: int, phase: 
     raise AssertionError(f"never reached {phase} of step {step}: {seen}\n{job_log(out)[-3000:]}")
 
 
+# when the test lets a requeued job start again: not in the second of its requeue (see below)
+RELEASE = "StartTime=now+3"
+
+
 def wait_requeued(cluster: SlurmCluster, job: int, out: Path, restarts: int) -> float:
     """Wait until the job is pending again after its script requeued it `restarts` times, and
     until nothing of the run is left on the node; the seconds the node took to empty."""
@@ -281,10 +297,10 @@ def wait_requeued(cluster: SlurmCluster, job: int, out: Path, restarts: int) -> 
         requeued = sum(1 for r in cluster.sacct_runs(job) if r[0] == str(job) and r[1] == "REQUEUED")
         if requeued >= restarts and cluster.job_state(job) == "PENDING":
             break
-        assert cluster.job_state(job), f"job ended instead of requeueing: {cluster.sacct_runs(job)}\n{job_log(out)[-4000:]}"
+        assert cluster.job_state(job), f"job ended instead of requeueing: {job_story(cluster, job, out)}"
         time.sleep(0.5)
     else:
-        raise AssertionError(f"not requeued {restarts} time(s): {cluster.sacct_runs(job)}\n{job_log(out)[-4000:]}")
+        raise AssertionError(f"not requeued {restarts} time(s): {job_story(cluster, job, out)}")
     ended = time.monotonic()
     assert_no_job_process(cluster)
     return time.monotonic() - ended
@@ -306,8 +322,10 @@ def test_preempted_and_time_limited_job_requeues_itself_and_ends_with_the_uninte
       abandoned), exit 75, requeued again.
     - run 2: the limit back to 20 minutes; it resumes from step 2 and finishes.
 
-    Slurm holds a requeued job for about two minutes (its BeginTime); the test releases it at
-    once (`scontrol update StartTime=now`). Each step is trained once, its metrics equal the
+    Slurm holds a requeued job for about two minutes (its BeginTime); the test releases it 3 s
+    later (`scontrol update StartTime=now+3`: slurmd refuses a launch within the second of the
+    requeue that revoked the run's credential, "Job credential revoked", and the job fails).
+    Each step is trained once, its metrics equal the
     uninterrupted run's, and nothing of a run is left on the node once it has ended."""
     ref_job, ref_out = one_node_run
     expected = {s: training_metrics(d) for s, d in steps_logged(ref_out).items()}
@@ -348,7 +366,7 @@ def test_preempted_and_time_limited_job_requeues_itself_and_ends_with_the_uninte
     assert sorted(steps_logged(out)) == [1, 2]
 
     # run 1: the time limit is near as soon as the run starts
-    cluster.scontrol("update", f"JobId={job}", "TimeLimit=3", "StartTime=now")
+    cluster.scontrol("update", f"JobId={job}", "TimeLimit=3", RELEASE)
     emptied.append(wait_requeued(cluster, job, out, 2))
     log = job_log(out)
     run1 = log[log.index("restart 1)"):]
@@ -357,7 +375,7 @@ def test_preempted_and_time_limited_job_requeues_itself_and_ends_with_the_uninte
     assert sorted(steps_logged(out, 1)) == []
 
     # run 2: to the end
-    cluster.scontrol("update", f"JobId={job}", "TimeLimit=20", "StartTime=now")
+    cluster.scontrol("update", f"JobId={job}", "TimeLimit=20", RELEASE)
     cluster.wait_job(job, JOB_TIMEOUT_S)
     assert_completed(cluster, job, out)
     runs = cluster.sacct_runs(job)
