@@ -168,3 +168,50 @@ def test_every_gpu_preset_shares_the_vllm_tiers_rollout_keys():
             differ = {k for k in set(tier) | set(rollout) if tier.get(k) != rollout.get(k)}
             assert differ <= _TIER_ONLY, (preset, {k: (tier.get(k), rollout.get(k)) for k in differ - _TIER_ONLY})
             assert rollout["name"] == tier["name"] == "vllm" and rollout["mode"] == "async"
+
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="needs vLLM (.venv-vllm)")
+
+
+def _peaked_row(vocab: int = 151_936):
+    """A trained model's row at an answer position: a few likely ids, ~150k ids at exp(-17)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    row = -17 + 0.5 * torch.randn(vocab, generator=gen)
+    row[:8] = torch.linspace(-1, 0, 8)
+    return row[None].repeat(3, 1)
+
+
+@needs_vllm
+def test_the_engines_log_probs_on_cpu_are_logits_minus_logsumexp(monkeypatch):
+    """workers/vllm_rollout.py::accurate_cpu_logprobs: vLLM's raw log-probs become
+    `logits - logsumexp` (verl's actor on CPU), its processed log-probs are renormalised; both
+    within 2e-6 of float64 on a peaked 152k-id row, where float32 log_softmax may lose the tiny
+    probabilities' mass (2e-5 on this row on the AVX-512 machine measured)."""
+    import torch
+    from vllm.v1.sample.sampler import Sampler
+
+    from recipe_hacpo.workers.vllm_rollout import accurate_cpu_logprobs
+
+    # restored after the test: the patch is process-wide
+    monkeypatch.setattr(Sampler, "compute_logprobs", Sampler.__dict__["compute_logprobs"])
+    monkeypatch.setattr(Sampler, "_hacpo_accurate_logprobs", False, raising=False)
+    # stand-in for vLLM's sampling: its processed log-probs are log_softmax(logits)
+    monkeypatch.setattr(Sampler, "sample", lambda self, logits, metadata, override=None: (None, logits.log_softmax(-1)))
+    assert accurate_cpu_logprobs() is True
+    assert accurate_cpu_logprobs() is False  # once per process
+
+    logits = _peaked_row()
+    exact = torch.log_softmax(logits.double(), -1)
+    assert (Sampler.compute_logprobs(logits).double() - exact).abs().max() < 2e-6
+
+    class _Processed:
+        logprobs_mode = "processed_logprobs"
+
+    _, processed = Sampler.sample(_Processed(), logits, None)
+    assert (processed.double() - exact).abs().max() < 2e-6
+    # the ban of the tail (-inf rows) stays a ban
+    banned = logits.clone()
+    banned[:, -100:] = float("-inf")
+    assert torch.isneginf(Sampler.compute_logprobs(banned)[:, -100:]).all()

@@ -282,7 +282,53 @@ def _build_extension_classes() -> dict[str, type]:
                 finalize_layerwise_reload(model, model_config)
                 repack_vocab_layers(model)
 
+        def monkey_patch_model(self, vocab_size: int, banned_token_ids=None):
+            # called once in every worker when the server starts, before the first request
+            super().monkey_patch_model(vocab_size, banned_token_ids)
+            if _on_cpu():
+                accurate_cpu_logprobs()
+
     return _importable({"HacpoVLLMWorkerExtension": HacpoVLLMWorkerExtension})
+
+
+def accurate_cpu_logprobs() -> bool:
+    """Make vLLM's sampler report log-probs as `logits - logsumexp(logits)`, as verl's actor does.
+
+    On CPU, torch's float32 `log_softmax` / `softmax` kernel loses the mass of the many tiny
+    probabilities of a large, peaked vocabulary: their terms fall below the rounding step of
+    running sums already near 1. Every log-prob of that position comes out too high by the same
+    amount. For a warm-started tiny Qwen3 (151,936 rows) that is 2.0e-4 at the position before
+    the answer; verl's actor on CPU (`logprobs_from_logits_v2`: gather - `torch.logsumexp`,
+    whose sum is accurate) is within 1e-6 of float64. The engine/trainer check then sees the
+    engine's rounding, not a policy mismatch.
+
+    Raw log-probs (also prompt log-probs) are computed as `logits - logsumexp`; processed
+    log-probs, which vLLM's top-k/top-p sampler computes inline with `log_softmax`, are
+    renormalised with an accurate logsumexp (the kernel's error is one constant per row, to
+    within rounding). Sampling is untouched (the same error scales every probability of a row
+    alike). Idempotent; returns whether it patched now. Installed on CPU only.
+    """
+    import torch
+    from vllm.v1.sample.sampler import Sampler
+
+    if getattr(Sampler, "_hacpo_accurate_logprobs", False):
+        return False
+    sample = Sampler.sample
+
+    def compute_logprobs(logits: torch.Tensor) -> torch.Tensor:
+        logits = logits.to(torch.float32)
+        return logits - torch.logsumexp(logits, dim=-1, keepdim=True)
+
+    def accurate_sample(self, logits, sampling_metadata, logprobs_mode_override=None):
+        sampled, processed = sample(self, logits, sampling_metadata, logprobs_mode_override)
+        if processed is not None and (logprobs_mode_override or self.logprobs_mode) == "processed_logprobs":
+            processed = processed - torch.logsumexp(processed, dim=-1, keepdim=True)
+        return sampled, processed
+
+    Sampler.compute_logprobs = staticmethod(compute_logprobs)
+    Sampler.sample = accurate_sample
+    Sampler._hacpo_accurate_logprobs = True
+    return True
 
 
 def repack_vocab_layers(model) -> int:
