@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.config import AgentSpec, HacpoSettings
+from recipe_hacpo.agent_spec import AgentSpec
+from recipe_hacpo.hacpo_settings import HacpoSettings
 from recipe_hacpo.exchange import eos_token_ids
 from recipe_hacpo.placement import make_pool, request_for
 from recipe_hacpo.workers.hacpo_loss import aggregation_of

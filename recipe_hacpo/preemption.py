@@ -65,7 +65,7 @@ class PreemptionSettings:
     @classmethod
     def from_config(cls, trainer_cfg) -> "PreemptionSettings":
         """Read and check trainer.preemption; a bad value is one ConfigError line naming the key."""
-        from recipe_hacpo.config import ConfigError
+        from recipe_hacpo.hacpo_settings import ConfigError
 
         raw = trainer_cfg.get("preemption")
         if raw is None:

@@ -20,7 +20,7 @@ import torch
 from omegaconf import DictConfig, open_dict
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.config import ConfigError
+from recipe_hacpo.hacpo_settings import ConfigError
 from recipe_hacpo.reliability import call_with_deadlines
 
 
