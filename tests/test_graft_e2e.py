@@ -169,6 +169,7 @@ def test_replay_of_a_recorded_peer_trains_one_agent_alone(graft_run, tmp_path, w
     name = names[receiver]
     assert sorted(steps) == [1, 2]
     assert_finite_losses(steps, [name])
+    check_golden("graft_replay", steps)
     grafted = 0
     for step in (1, 2):
         m = steps[step]
@@ -219,6 +220,7 @@ def test_graft_three_agents(tmp_path, warm_agent_paths):
     steps = train_steps(records)
     names = ["qwen_char", "qwen_mid", "llama_pair"]
     assert_finite_losses(steps, names)
+    check_golden("graft_three_agents", steps)
     for step, m in steps.items():
         received = sum(m[f"agent/{n}/graft/groups_received"] for n in names)
         # with balancing and one source per receiver and prompt, every group given is received once
