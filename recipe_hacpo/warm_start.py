@@ -166,12 +166,21 @@ def load_record(out: str) -> dict | None:
         return None
 
 
-def warm_start(args: WarmStartArgs, out: str, *, log_every: int = 100, verbose: bool = True) -> dict:
-    """Train `args.kind` from its seeded random init; write the agent to `out`; return its record."""
-    record = _record(args)
+def reusable(args: WarmStartArgs, out: str) -> dict | None:
+    """The record of the agent already in `out` when it is the one `args` would train, else None."""
     existing = load_record(out)
-    if existing and _identity(existing) == _identity(record, load_record(args.init) if args.init else None):
+    if existing and _identity(existing) == _identity(_record(args), load_record(args.init) if args.init else None):
         return existing
+    return None
+
+
+def warm_start(args: WarmStartArgs, out: str, *, log_every: int = 100, verbose: bool = True) -> dict:
+    """Train `args.kind` from its seeded random init; write the agent to `out`; return its record.
+    An agent already in `out` that these arguments would make is kept as it is."""
+    existing = reusable(args, out)
+    if existing:
+        return existing
+    record = _record(args)
 
     random.seed(args.seed)
     torch.manual_seed(args.seed)
@@ -254,8 +263,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     args = WarmStartArgs(kind=a.kind, task=a.task, steps=a.steps, seed=a.seed, lr=a.lr, batch_size=a.batch_size,
                          n_train=a.n_train, n_eval=a.n_eval, init=os.path.abspath(a.init) if a.init else "")
-    rec = warm_start(args, a.out)
-    print(f"{a.kind} ({rec['params']} params) {args.steps} steps in {rec['train_seconds']:.1f}s: "
+    reused = reusable(args, a.out)
+    rec = reused or warm_start(args, a.out)
+    # a reused agent's seconds are those it took when it was made, not this run's
+    how = (f"reused as is (its {args.steps} steps took {rec['train_seconds']:.1f}s when it was made)" if reused
+           else f"{args.steps} steps in {rec['train_seconds']:.1f}s")
+    print(f"{a.kind} ({rec['params']} params) {how}: "
           f"held-out accuracy {rec['held_out_accuracy']:.4f} on {args.n_eval} {args.task} prompts -> {a.out}")
     return 0
 

@@ -128,5 +128,9 @@ def test_cli_prints_held_out_accuracy(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "held-out accuracy" in proc.stdout
+    assert "held-out accuracy" in proc.stdout and "3 steps in " in proc.stdout and "reused" not in proc.stdout
     assert os.path.isfile(os.path.join(out, "config.json"))
+    # the same command again keeps the agent, and says so (its seconds are those of when it was made)
+    again = subprocess.run(proc.args, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "reused as is (its 3 steps took " in again.stdout and "held-out accuracy" in again.stdout, again.stdout
