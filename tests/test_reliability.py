@@ -20,7 +20,7 @@ from omegaconf import OmegaConf
 from tensordict import TensorDict
 from torchdata.stateful_dataloader import StatefulDataLoader
 from helpers.e2e import logged_steps
-from helpers.golden import training_metrics
+from helpers.golden import check_golden, training_metrics
 from verl import DataProto
 
 from recipe_hacpo import batch_keys as K
@@ -793,6 +793,8 @@ def test_e2e_killed_mid_checkpoint_and_worker_lost_mid_update_then_resumed_runs_
                           timeout=900)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     reference_steps = _steps(reference)
+    # plain HACPO on two agents (the CPU demo's settings): its golden metrics
+    check_golden("hacpo_pair", reference_steps)
     expected = {step: training_metrics(data) for step, data in reference_steps.items()}
     assert sorted(expected) == [1, 2, 3]
     # the comparison has teeth: the agents' rewards and losses move from step to step
