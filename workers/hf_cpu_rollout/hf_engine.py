@@ -184,11 +184,12 @@ class HFEngine:
         the quantity verl's actor recomputes. `raw_*` are the model's logits untouched.
         """
         stacked = torch.stack([s.float().cpu() for s in steps], dim=1)  # [B, T, V]
+        picked = stacked.gather(-1, tokens[:, : stacked.shape[1], None]).squeeze(-1)
         if self.logprobs_mode.endswith("logprobs"):
             # as verl's actor on CPU (gather - logsumexp): torch's float32 log_softmax kernel on
             # CPU drops the tiny probabilities of a 152k-id vocabulary (2e-4 nat per token)
-            stacked = stacked - torch.logsumexp(stacked, dim=-1, keepdim=True)
-        return stacked.gather(-1, tokens[:, : stacked.shape[1], None]).squeeze(-1)
+            picked = picked - torch.logsumexp(stacked, dim=-1)
+        return picked
 
     # -- weights -----------------------------------------------------------------------
 
