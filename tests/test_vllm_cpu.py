@@ -168,4 +168,3 @@ def test_every_gpu_preset_shares_the_vllm_tiers_rollout_keys():
             differ = {k for k in set(tier) | set(rollout) if tier.get(k) != rollout.get(k)}
             assert differ <= _TIER_ONLY, (preset, {k: (tier.get(k), rollout.get(k)) for k in differ - _TIER_ONLY})
             assert rollout["name"] == tier["name"] == "vllm" and rollout["mode"] == "async"
-

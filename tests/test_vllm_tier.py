@@ -98,6 +98,7 @@ def test_the_verl_and_vllm_hooks_the_server_relies_on():
     from verl.workers.rollout.vllm_rollout.utils import vLLMColocateWorkerExtension
     from vllm.model_executor.model_loader import reload
     from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    from vllm.v1.sample.sampler import Sampler
 
     from recipe_hacpo.workers import vllm_cpu, vllm_rollout
 
@@ -122,6 +123,14 @@ def test_the_verl_and_vllm_hooks_the_server_relies_on():
     assert list(inspect.signature(reload.initialize_layerwise_reload).parameters) == ["model"]
     assert callable(reload.finalize_layerwise_reload)
     assert tuple(CPUAttentionBackend.get_supported_head_sizes()) == vllm_cpu.CPU_ATTENTION_HEAD_SIZES
+    # the CPU log-probs (vllm_rollout.accurate_cpu_logprobs), installed from monkey_patch_model
+    assert list(inspect.signature(vLLMColocateWorkerExtension.monkey_patch_model).parameters) == [
+        "self", "vocab_size", "banned_token_ids"]
+    assert isinstance(Sampler.__dict__["compute_logprobs"], staticmethod)
+    assert list(inspect.signature(Sampler.compute_logprobs).parameters) == ["logits"]
+    assert list(inspect.signature(Sampler.sample).parameters) == [
+        "self", "logits", "sampling_metadata", "logprobs_mode_override"]
+    assert "self.logprobs_mode = logprobs_mode" in inspect.getsource(Sampler.__init__)
 
 
 def test_an_agent_whose_head_size_vllm_cpu_refuses_stops_before_ray(tmp_path):
@@ -405,7 +414,6 @@ def test_evaluate_a_trained_checkpoint_through_vllm(reference, tmp_path):
         assert name in table
         assert metrics[name]["add1"]["prompts"] == 64
         assert metrics[name]["add1"]["value"] == ref_steps[2][f"agent/{name}/val/hacpo/arith/add1/mean@1"], name
-
 
 
 def _peaked_row(vocab: int = 151_936):

@@ -82,7 +82,11 @@ the other numbers stay as they are cited elsewhere.
      vLLM 0.24.0's `vllm/model_executor/model_loader/reload` (`initialize_layerwise_reload(model)`,
      `finalize_layerwise_reload(model, model_config)`) and `vllm.platforms.current_platform.is_cpu()`;
    - vLLM 0.24.0's CPU attention head sizes (`vllm/v1/attention/backends/cpu_attn.py::
-     CPUAttentionBackend.get_supported_head_sizes`), copied in `workers/vllm_cpu.py`.
+     CPUAttentionBackend.get_supported_head_sizes`), copied in `workers/vllm_cpu.py`;
+   - CPU log-probs (`accurate_cpu_logprobs`, installed from the extension's override of
+     `vLLMColocateWorkerExtension.monkey_patch_model(vocab_size, banned_token_ids)`): vLLM
+     0.24.0's `vllm/v1/sample/sampler.py::Sampler`, its static `compute_logprobs(logits)` and
+     `sample(logits, sampling_metadata, logprobs_mode_override)`, which reads `self.logprobs_mode`.
 
 Couplings that live outside this module, because they are the subclass or the data they
 concern (each with a contract test in tests/test_verl_touchpoints.py):
