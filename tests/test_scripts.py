@@ -481,12 +481,12 @@ def test_wait_for_ray_polls_until_every_gpu_joined():
 
 # a `python` that logs like the other stand-ins; for the trainer it writes the stop record the
 # trainer would and exits with STANDIN_TRAINER_STATUS, or, with STANDIN_WAIT_USR1 set, becomes a
-# Python process that touches that file, waits for SIGUSR1 or SIGTERM (Python can handle a signal
+# Python process that writes its pid to that file, waits for SIGUSR1 or SIGTERM (Python can handle a signal
 # that its parent ignored, as the trainer does; bash cannot trap one) and exits 75 (9 without one)
 WAIT_USR1 = (
     "import json, signal, sys, time; got = []; signal.signal(signal.SIGUSR1, lambda *a: got.append(1)); "
     "signal.signal(signal.SIGTERM, lambda *a: got.append(1)); "
-    "open(sys.argv[1], 'w').close(); [time.sleep(0.05) for _ in range(200) if not got]; "
+    "import os; open(sys.argv[1], 'w').write(str(os.getpid())); [time.sleep(0.05) for _ in range(200) if not got]; "
     "got and open(sys.argv[2], 'w').write(json.dumps({'resumed_from': int(sys.argv[3]), 'step': int(sys.argv[4])})); "
     "sys.exit(75 if got else 9)"
 )
@@ -620,6 +620,17 @@ def test_slurm_other_exit_statuses_are_not_requeued(resumable):
         assert proc.returncode == int(status) and _requeues(calls) == []
 
 
+def _batch_shell_above(pid: int) -> int:
+    """The nearest ancestor of `pid` that runs hacpo.slurm."""
+    while pid > 1:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        pid = int(stat[stat.rindex(")") + 2:].split()[1])  # field 4, after the parenthesised name
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if any(a.decode(errors="replace") == str(SLURM) for a in args):
+            return pid
+    raise AssertionError("no hacpo.slurm process above the trainer stand-in")
+
+
 @pytest.mark.parametrize("signame", ["SIGUSR1", "SIGTERM"])
 def test_slurm_hands_the_signal_to_the_trainer_and_requeues_only_on_a_stop_request(resumable, tmp_path, signame):
     import signal
@@ -638,10 +649,9 @@ def test_slurm_hands_the_signal_to_the_trainer_and_requeues_only_on_a_stop_reque
     while not ready.exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert ready.exists(), "the trainer stand-in never started"
-    # the batch shell is the `bash hacpo.slurm` process: `--signal=B:USR1@<secs>` signals it alone
-    shells = subprocess.run(["pgrep", "-f", f"bash {SLURM}"], capture_output=True, text=True).stdout.split()
-    assert len(shells) == 1, shells
-    os.kill(int(shells[0]), getattr(signal, signame))
+    # the batch shell is the `bash hacpo.slurm` process: `--signal=B:USR1@<secs>` signals it alone.
+    # It is found among this stand-in's ancestors, not by name: other tests' shells run beside it
+    os.kill(_batch_shell_above(int(ready.read_text())), getattr(signal, signame))
     thread.join(timeout=60)
     proc, calls = result["out"]
     assert f"hacpo: {signame} received; handing it to the trainer" in proc.stdout
