@@ -87,19 +87,22 @@ class AgentRuntime:
         from verl.experimental.agent_loop import AgentLoopManager
         from verl.workers.rollout.llm_server import LLMServerManager
 
-        self.llm_servers = LLMServerManager.create(
-            config=self.config, worker_group=self.wg, rollout_resource_pool=self.pool
-        )
         # rewards are computed by the trainer with each agent's own tokenizer (scoring.py)
         if self.config.actor_rollout_ref.rollout.name == "hf":
             # batches a whole single-turn rollout per server call (`rollout.agent.default_agent_loop`)
-            from recipe_hacpo.workers.hf_cpu_rollout.hf_agent_loop import HFAgentLoopManager
+            from recipe_hacpo.workers.hf_cpu_rollout.hf_agent_loop import HFAgentLoopManager, HFLLMServerManager
 
+            self.llm_servers = HFLLMServerManager.create(
+                config=self.config, worker_group=self.wg, rollout_resource_pool=self.pool
+            )
             self.agent_loop = HFAgentLoopManager.create(
                 config=self.config, llm_client=self.llm_servers.get_client(), reward_loop_worker_handles=None
             )
-            self.agent_loop.attach_servers([s for r in self.llm_servers.get_replicas() for s in r.servers])
+            self.agent_loop.attach_servers(self.llm_servers)
         else:
+            self.llm_servers = LLMServerManager.create(
+                config=self.config, worker_group=self.wg, rollout_resource_pool=self.pool
+            )
             self.agent_loop = AgentLoopManager.create(
                 config=self.config, llm_client=self.llm_servers.get_client(), reward_loop_worker_handles=None
             )

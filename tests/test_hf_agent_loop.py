@@ -209,3 +209,47 @@ def test_batched_worker_equals_verls_per_row_single_turn_loop(tmp_path, kind, va
     assert {m["num_preempted"] for m in batched.meta_info["metrics"]} == {
         m["num_preempted"] for m in per_row.meta_info["metrics"]
     }
+
+
+def test_a_worker_without_a_router_starts_one_for_the_first_per_row_batch_only(tmp_path, monkeypatch):
+    """The hf runtime starts no router (`HFLLMServerManager`); a batch that falls back to verl's
+    per-row loop gets one, over the servers the manager named, once; batched rows never do."""
+    from recipe_hacpo.workers.hf_cpu_rollout import hf_agent_loop
+    from verl.protocol import DataProto
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    path = tiny_agents.build_agent(str(tmp_path), "qwen2-char-small")
+    config = _worker_config(path)
+    raw = np.empty(4, dtype=object)
+    raw[:] = [[{"role": "user", "content": q}] for q in ("1+2=", "3+4=", "5+6=", "7+8=")]
+
+    def batch(agent_loop: str) -> DataProto:
+        non_tensor = {"raw_prompt": raw.copy(), "agent_name": np.array([agent_loop] * 4, dtype=object),
+                      "priority": np.arange(4, dtype=np.int64)}
+        return DataProto.from_dict(non_tensors=non_tensor, meta_info={"validate": False, "global_steps": 1})
+
+    started = []
+
+    async def run():
+        rollout = omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+        server = _server(path, prompt_length=48, response_length=8, seed=rollout.seed, temperature=1.0, max_model_len=64)
+        await server.launch_server()
+        via_router, direct = _Actor(server), _Actor(server)
+
+        def router(servers, full_determinism):
+            started.append((servers, full_determinism))
+            return _Actor(_OneServerBalancer(via_router))
+
+        monkeypatch.setattr(hf_agent_loop, "get_router_handle", router)
+        worker = hf_agent_loop.HFBatchedAgentLoopWorker(config, LLMServerClient(config, load_balancer_handle=None))
+        worker.set_servers([direct], route_over={"10.0.0.1:1": via_router})
+        await worker.generate_sequences(batch(hf_agent_loop.BATCHED_AGENT_LOOP))
+        assert started == [] and direct.calls == ["generate_batch"]
+        for _ in range(2):
+            await worker.generate_sequences(batch("single_turn_agent"))
+        return via_router
+
+    via_router = asyncio.run(run())
+    assert started == [({"10.0.0.1:1": via_router}, True)]  # one router, full_determinism as configured
+    assert via_router.calls == ["generate"] * 8

@@ -352,3 +352,27 @@ def test_22_the_weight_bucket_module_the_preflight_loads_by_path():
     for name in ("class BucketedWeightSender", "class BucketedWeightReceiver"):
         _contract(f"22 ({name})", name in source, f"{path} no longer defines {name.split()[1]}")
 
+
+
+def test_23_the_hf_server_manager_starts_no_router_until_a_per_row_batch_needs_one():
+    from verl.experimental.agent_loop.agent_loop import AgentLoopWorker
+    from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
+    from verl.workers.rollout.router import get_router_handle
+
+    create = _source(LLMServerManager.create)
+    _contract("23 (LLMServerManager.create)",
+              "_initialize_llm_servers()" in create and "_init_global_load_balancer()" in create
+              and create.index("_initialize_llm_servers()") < create.index("_init_global_load_balancer()"),
+              "LLMServerManager.create no longer starts the servers, then the router through _init_global_load_balancer")
+    servers = _source(LLMServerManager._initialize_llm_servers)
+    _contract("23 (server_handles / server_addresses)",
+              "self.server_handles = " in servers and "self.server_addresses = " in servers,
+              "LLMServerManager no longer keeps server_handles and server_addresses, which routed_servers() pairs")
+    _contract("23 (get_client)", "load_balancer_handle=self.global_load_balancer" in _source(LLMServerManager.get_client),
+              "LLMServerManager.get_client no longer hands its global_load_balancer to the client")
+    _contract("23 (LLMServerClient)", _params(LLMServerClient.__init__)[:3] == ["self", "config", "load_balancer_handle"],
+              f"LLMServerClient takes {_params(LLMServerClient.__init__)}")
+    _contract("23 (get_router_handle)", {"servers", "full_determinism"} <= set(_params(get_router_handle)),
+              f"get_router_handle takes {_params(get_router_handle)}")
+    _contract("23 (per-row loop reads llm_client)", "server_manager=self.llm_client" in _source(AgentLoopWorker._run_agent_loop),
+              "verl's per-row loop no longer reads the worker's llm_client for each row")

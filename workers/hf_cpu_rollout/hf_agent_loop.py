@@ -24,6 +24,11 @@ reward_loop_worker_handles, distillation_enabled, config); the sampling dict and
 DataProto layout of `AgentLoopWorker.generate_sequences` / `_agent_loop_postprocess` /
 `_postprocess`, and `SingleTurnAgentLoop.run`. `tests/test_hf_agent_loop.py` compares the two
 paths field by field, so an upgrade that changes any of these fails there.
+
+The batched path sends to the hf servers directly, so verl's request router
+(`GlobalRequestLoadBalancer`, one Ray actor per agent: a process that imports verl) would sit
+idle. `HFLLMServerManager` starts none; a worker starts one the first time a batch needs verl's
+per-row loop (`_route_per_row_requests`). Touchpoint 23 in `workers/verl_touchpoints.py`.
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ from verl.experimental.agent_loop.single_turn_agent_loop import SingleTurnAgentL
 from verl.protocol import DataProto
 from verl.utils.model import compute_position_id_with_mask
 from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
+from verl.workers.rollout.llm_server import LLMServerClient, LLMServerManager
+from verl.workers.rollout.router import get_router_handle
 
 BATCHED_AGENT_LOOP = "hf_batched_single_turn"
 
@@ -60,12 +67,28 @@ class HFBatchedAgentLoopWorker(AgentLoopWorker):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._servers: list[ray.actor.ActorHandle] = []
+        self._route_over: dict[str, ray.actor.ActorHandle] | None = None
         self._builder = None
         self._prompt_cache: dict[str, list[int]] = {}
 
-    def set_servers(self, handles: list[ray.actor.ActorHandle]) -> None:
-        """The hf servers this worker sends batches to (its chunk is split evenly over them)."""
+    def set_servers(self, handles: list[ray.actor.ActorHandle],
+                    route_over: dict[str, ray.actor.ActorHandle] | None = None) -> None:
+        """The hf servers this worker sends batches to (its chunk is split evenly over them).
+        `route_over` ({address: handle}): the client this worker was built with has no router,
+        and verl's per-row loop gets one over these servers the first time it runs."""
         self._servers = list(handles)
+        self._route_over = dict(route_over) if route_over is not None else None
+
+    def _route_per_row_requests(self) -> None:
+        """Give verl's per-row loop, which reads `self.llm_client` per row, a client with a router."""
+        if self._route_over is None:
+            return
+        router = get_router_handle(servers=self._route_over,
+                                   full_determinism=bool(getattr(self.rollout_config, "full_determinism", False)))
+        client = LLMServerClient(config=self.config, load_balancer_handle=router)
+        if hasattr(self.llm_client, "tokenizer"):  # set by verl for `trace.token2text`
+            client.tokenizer = self.llm_client.tokenizer
+        self.llm_client, self._route_over = client, None
 
     def _batchable(self, batch: DataProto) -> bool:
         names = batch.non_tensor_batch.get("agent_name")
@@ -85,6 +108,7 @@ class HFBatchedAgentLoopWorker(AgentLoopWorker):
 
     async def generate_sequences(self, batch: DataProto) -> DataProto:
         if not self._batchable(batch):
+            self._route_per_row_requests()
             return await super().generate_sequences(batch)
         config = self.rollout_config
         validate = batch.meta_info.get("validate", False)
@@ -217,11 +241,26 @@ class HFBatchedAgentLoopWorker(AgentLoopWorker):
         )
 
 
+class HFLLMServerManager(LLMServerManager):
+    """verl's server manager for the hf backend, without a request router until one is needed."""
+
+    async def _init_global_load_balancer(self) -> None:
+        # the clients it hands out hold no router; `HFBatchedAgentLoopWorker._route_per_row_requests`
+        # starts one over `routed_servers()` if a batch falls back to verl's per-row loop
+        self.global_load_balancer = None
+
+    def routed_servers(self) -> dict[str, ray.actor.ActorHandle]:
+        """{address: handle}: what verl's manager would give its router."""
+        return dict(zip(self.server_addresses, self.server_handles, strict=True))
+
+
 class HFAgentLoopManager(AgentLoopManager):
     """verl's agent-loop manager with `HFBatchedAgentLoopWorker` workers."""
 
     agent_loop_workers_class = ray.remote(HFBatchedAgentLoopWorker)
 
-    def attach_servers(self, handles: list[ray.actor.ActorHandle]) -> None:
+    def attach_servers(self, servers: HFLLMServerManager) -> None:
         """Give every worker the hf server actors (call once, after `create`)."""
-        ray.get([worker.set_servers.remote(handles) for worker in self.agent_loop_workers])
+        handles = [s for replica in servers.get_replicas() for s in replica.servers]
+        route_over = servers.routed_servers()
+        ray.get([worker.set_servers.remote(handles, route_over) for worker in self.agent_loop_workers])
