@@ -253,3 +253,79 @@ def test_a_worker_without_a_router_starts_one_for_the_first_per_row_batch_only(t
     via_router = asyncio.run(run())
     assert started == [({"10.0.0.1:1": via_router}, True)]  # one router, full_determinism as configured
     assert via_router.calls == ["generate"] * 8
+
+
+
+class _ThreadActor:
+    """A stand-in Ray actor handle whose object lives on its own event loop in a thread, as an
+    actor's does: callers on other (and successive) event loops await its methods."""
+
+    def __init__(self, obj):
+        import threading
+
+        self._obj = obj
+        self.loop = asyncio.new_event_loop()
+        threading.Thread(target=self.loop.run_forever, daemon=True).start()
+
+    def run(self, coro):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=120)
+
+    def __getattr__(self, name):
+        method = getattr(self._obj, name)
+
+        def remote(*args, **kwargs):
+            out = method(*args, **kwargs)
+            if asyncio.iscoroutine(out):
+                return asyncio.wrap_future(asyncio.run_coroutine_threadsafe(out, self.loop))
+            return out  # a plain method (the balancer's release_server, which verl does not await)
+
+        return types.SimpleNamespace(remote=remote)
+
+
+def test_the_manager_runs_its_workers_in_this_process_and_returns_what_a_worker_returns(tmp_path, monkeypatch):
+    """`HFAgentLoopManager` (what the hf runtime drives, one blocking call per rollout) with its
+    workers in the driver's process: its batches equal a worker's own, call after call, and a
+    batch that falls back to verl's per-row loop works in later blocking calls too."""
+    from recipe_hacpo.workers.hf_cpu_rollout import hf_agent_loop
+    from verl.protocol import DataProto
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.workers.rollout.llm_server import LLMServerClient
+
+    path = tiny_agents.build_agent(str(tmp_path), "llama-pair-medium")
+    config = _worker_config(path)
+    raw = np.empty(8, dtype=object)
+    raw[:] = [[{"role": "user", "content": q}] for q in ("1+2=", "3+4=", "5+6=", "7+8=") for _ in range(2)]
+
+    def batch(agent_loop: str) -> DataProto:
+        non_tensor = {"raw_prompt": raw.copy(), "agent_name": np.array([agent_loop] * 8, dtype=object)}
+        return DataProto.from_dict(non_tensors=non_tensor, meta_info={"validate": False, "global_steps": 2})
+
+    rollout = omega_conf_to_dataclass(config.actor_rollout_ref.rollout)
+    server = _server(path, prompt_length=48, response_length=8, seed=rollout.seed, temperature=1.0, max_model_len=64)
+    handle = _ThreadActor(server)
+    handle.run(server.launch_server())
+    handle.run(server.set_global_steps(2))
+    balancer = _ThreadActor(_OneServerBalancer(handle))
+    monkeypatch.setattr(hf_agent_loop, "get_router_handle", lambda servers, full_determinism: balancer)
+
+    class Servers:  # the two things attach_servers reads of HFLLMServerManager
+        def get_replicas(self):
+            return [types.SimpleNamespace(servers=[handle])]
+
+        def routed_servers(self):
+            return {"10.0.0.1:1": handle}
+
+    manager = hf_agent_loop.HFAgentLoopManager.create(config=config, llm_client=LLMServerClient(config, None))
+    assert [type(w) for w in manager.agent_loop_workers] == [hf_agent_loop.InProcessWorker]
+    manager.attach_servers(Servers())
+    alone = hf_agent_loop.HFBatchedAgentLoopWorker(config, LLMServerClient(config, None))
+    alone.set_servers([handle])
+    for _ in range(2):  # a fresh event loop per blocking call, as in the driver
+        got = manager.generate_sequences(batch(hf_agent_loop.BATCHED_AGENT_LOOP))
+        want = asyncio.run(alone.generate_sequences(batch(hf_agent_loop.BATCHED_AGENT_LOOP)))
+        for key in want.batch.keys():
+            assert torch.equal(got.batch[key], want.batch[key]), key
+        assert "agent_loop/generate_sequences/mean" in got.meta_info["timing"]
+    for _ in range(2):
+        per_row = manager.generate_sequences(batch("single_turn_agent"))
+        assert torch.equal(per_row.batch["responses"], got.batch["responses"])  # the same seeded draws

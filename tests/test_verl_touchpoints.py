@@ -374,5 +374,13 @@ def test_23_the_hf_server_manager_starts_no_router_until_a_per_row_batch_needs_o
               f"LLMServerClient takes {_params(LLMServerClient.__init__)}")
     _contract("23 (get_router_handle)", {"servers", "full_determinism"} <= set(_params(get_router_handle)),
               f"get_router_handle takes {_params(get_router_handle)}")
+    from verl.experimental.agent_loop.agent_loop import AgentLoopManager
+
+    _contract("23 (AgentLoopManager.create)", "_init_agent_loop_workers()" in _source(AgentLoopManager.create),
+              "AgentLoopManager.create no longer builds its workers through _init_agent_loop_workers")
+    generate = _source(AgentLoopManager.generate_sequences)
+    _contract("23 (AgentLoopManager.generate_sequences)",
+              "worker.generate_sequences.remote(chunk)" in generate and generate.count(".remote(") == 1,
+              "AgentLoopManager.generate_sequences calls its workers other than by worker.generate_sequences.remote(chunk)")
     _contract("23 (per-row loop reads llm_client)", "server_manager=self.llm_client" in _source(AgentLoopWorker._run_agent_loop),
               "verl's per-row loop no longer reads the worker's llm_client for each row")

@@ -28,7 +28,11 @@ paths field by field, so an upgrade that changes any of these fails there.
 The batched path sends to the hf servers directly, so verl's request router
 (`GlobalRequestLoadBalancer`, one Ray actor per agent: a process that imports verl) would sit
 idle. `HFLLMServerManager` starts none; a worker starts one the first time a batch needs verl's
-per-row loop (`_route_per_row_requests`). Touchpoint 23 in `workers/verl_touchpoints.py`.
+per-row loop (`_route_per_row_requests`). For the same reason the agent-loop workers run in
+the driver's process (`HFAgentLoopManager._init_agent_loop_workers`): a worker of the batched
+path only renders prompts, waits on its servers and pads tensors, and a Ray actor of its own
+costs a process that imports verl, per agent and run. A run with rollout tracing keeps verl's
+worker actors (the trace settings are per process). Touchpoint 23 in `workers/verl_touchpoints.py`.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+import types
 from uuid import uuid4
 
 import numpy as np
@@ -254,13 +259,38 @@ class HFLLMServerManager(LLMServerManager):
         return dict(zip(self.server_addresses, self.server_handles, strict=True))
 
 
+class InProcessWorker:
+    """An agent-loop worker in this process, called as `AgentLoopManager.generate_sequences`
+    calls its workers' actor handles: `worker.generate_sequences.remote(chunk)`, awaited."""
+
+    def __init__(self, worker: HFBatchedAgentLoopWorker):
+        self.worker = worker
+        self.generate_sequences = types.SimpleNamespace(remote=worker.generate_sequences)
+
+
 class HFAgentLoopManager(AgentLoopManager):
-    """verl's agent-loop manager with `HFBatchedAgentLoopWorker` workers."""
+    """verl's agent-loop manager with `HFBatchedAgentLoopWorker` workers, in the driver's process."""
 
     agent_loop_workers_class = ray.remote(HFBatchedAgentLoopWorker)
+
+    async def _init_agent_loop_workers(self):
+        if (self.rollout_config.get("trace") or {}).get("backend"):
+            return await super()._init_agent_loop_workers()
+        self.agent_loop_workers = [
+            InProcessWorker(HFBatchedAgentLoopWorker(self.config, self.llm_client, self.teacher_client,
+                                                     self.reward_loop_worker_handles))
+            for _ in range(self.rollout_config.agent.num_workers)
+        ]
 
     def attach_servers(self, servers: HFLLMServerManager) -> None:
         """Give every worker the hf server actors (call once, after `create`)."""
         handles = [s for replica in servers.get_replicas() for s in replica.servers]
         route_over = servers.routed_servers()
-        ray.get([worker.set_servers.remote(handles, route_over) for worker in self.agent_loop_workers])
+        remote = []
+        for worker in self.agent_loop_workers:
+            if isinstance(worker, InProcessWorker):
+                worker.worker.set_servers(handles, route_over)
+            else:
+                remote.append(worker.set_servers.remote(handles, route_over))
+        if remote:
+            ray.get(remote)
