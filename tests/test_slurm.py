@@ -353,11 +353,12 @@ def test_preempted_and_time_limited_job_requeues_itself_and_ends_with_the_uninte
     log = job_log(out)
     assert "hacpo: SIGUSR1 received; handing it to the trainer" in log, log[-4000:]
     assert "hacpo: step 2: finishing it before the checkpoint: " in log, log[-4000:]
-    # the second signal: recorded and ignored, by the trainer, or by the script when Slurm delivers
-    # it after the trainer has ended (the write is short here, and a loaded machine delays the
-    # delivery; tests/test_preemption.py's end-to-end test lands one inside the write)
-    assert ("hacpo: SIGUSR1 received: a stop is already under way; ignored" in log
-            or "hacpo: SIGUSR1 received after the trainer ended; ignored" in log), log[-4000:]
+    # the second signal: recorded and ignored by the trainer, or, when Slurm delivers it after the
+    # trainer has ended, ignored by the script, which then no longer traps SIGUSR1 and hands on
+    # nothing (the write is short here, and a loaded machine delays the delivery;
+    # tests/test_preemption.py's end-to-end test lands one inside the write)
+    handed = log.count("hacpo: SIGUSR1 received; handing it to the trainer")
+    assert "hacpo: SIGUSR1 received: a stop is already under way; ignored" in log or handed == 1, log[-4000:]
     assert "checkpoint step 2 (this run resumed from step 0)" in log and "requeueing job" in log, log[-4000:]
     from recipe_hacpo.reliability import LATEST_FILE, checkpoint_problem
 
