@@ -25,6 +25,16 @@ ENV_LOGGED = ("RAY_ADDRESS", "PLACEMENT", "PRESET", "HACPO_MODEL_A", "HACPO_DATA
 # environment variables of ENV_LOGGED joined by \x1f.
 STANDIN = r"""#!/usr/bin/env bash
 name=$(basename "$0")
+# flood_usr1 PID MARKER: SIGUSR1 to PID every 2 ms until PID has ended, touching MARKER whenever
+# PID ignores SIGUSR1 by then (bit 10 of its SigIgn mask)
+flood_usr1() {
+    local ign
+    while kill -USR1 "$1" 2>/dev/null; do
+        ign=$(sed -n 's/^SigIgn:[[:space:]]*//p' "/proc/$1/status" 2>/dev/null || true)
+        if [[ -n $ign ]] && (( (16#$ign >> 9) & 1 )); then touch "$2"; fi
+        sleep 0.002
+    done
+}
 if [[ $name == python && ${1:-} == *wait_for_ray.py ]]; then
     # like the real check: return once every node's `ray start` has run (at most 10 s)
     nodes=$(sed -n 's/.*--nodes \([0-9]*\).*/\1/p' <<<"$*")
@@ -507,12 +517,8 @@ if [[ " $* " == *" recipe_hacpo.main "* ]]; then
             # that runs while it parses a `$(...)`, and `set -e` ends the script)
             (while kill -0 $$ 2>/dev/null; do sleep 0.01; done
              kill -USR1 "$PPID"; touch "$STANDIN_LATE_USR1"
-             while kill -USR1 "$PPID" 2>/dev/null; do
-                 # and whether the shell ignores SIGUSR1 by now (bit 10 of its SigIgn mask)
-                 ign=$(sed -n 's/^SigIgn:[[:space:]]*//p' "/proc/$PPID/status" 2>/dev/null || true)
-                 if [[ -n $ign ]] && (( (16#$ign >> 9) & 1 )); then touch "$STANDIN_LATE_USR1.ignored"; fi
-                 sleep 0.002
-             done) >/dev/null 2>&1 &
+             # and whether the shell ignores SIGUSR1 by now
+             flood_usr1 "$PPID" "$STANDIN_LATE_USR1.ignored") >/dev/null 2>&1 &
         fi
     fi
     exit "$status"
@@ -535,12 +541,10 @@ def resumable(standins, tmp_path):
         '            while [[ $(ps -o args= -p "$(ps -o ppid= -p "$shell" | tr -d " ")") == *hacpo.slurm* ]]; do\n'
         '                shell=$(ps -o ppid= -p "$shell" | tr -d " "); done\n'
         '            kill -USR1 "$shell"; touch "$STANDIN_EARLY_USR1"\n'
-        # with STANDIN_FLOOD_USR1 set, a stop request every 2 ms from then on, until the shell
-        # ignores SIGUSR1 (bit 10 of its SigIgn mask: the request was taken) or has ended
-        '            if [[ -n ${STANDIN_FLOOD_USR1:-} ]]; then (while kill -USR1 "$shell" 2>/dev/null; do\n'
-        '                ign=$(sed -n "s/^SigIgn:[[:space:]]*//p" "/proc/$shell/status" 2>/dev/null || true)\n'
-        '                if [[ -n $ign ]] && (( (16#$ign >> 9) & 1 )); then touch "$STANDIN_FLOOD_USR1"; break; fi\n'
-        '                sleep 0.002; done) >/dev/null 2>&1 & fi\n'
+        # with STANDIN_FLOOD_USR1 set, a stop request every 2 ms from then on until the shell has
+        # ended; STANDIN_FLOOD_USR1 is touched once it ignores SIGUSR1 (the request was taken)
+        '            if [[ -n ${STANDIN_FLOOD_USR1:-} ]]; then\n'
+        '                flood_usr1 "$shell" "$STANDIN_FLOOD_USR1" >/dev/null 2>&1 & fi\n'
         '        fi\n'
         '        if [[ $1 == show && $2 == job && -n ${STANDIN_LATE_USR1:-} ]]; then\n'
         '            for _ in $(seq 500); do [[ -e $STANDIN_LATE_USR1 ]] && break; sleep 0.01; done; fi\n'
