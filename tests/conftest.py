@@ -47,6 +47,20 @@ def warm_agent_paths(tmp_path_factory) -> dict[str, str]:
     return paths
 
 
+@pytest.fixture(scope="session")
+def hacpo_pair_reference(tmp_path_factory, warm_agent_paths) -> tuple[str, dict[int, dict]]:
+    """(output dir, {step: metrics}) of one uninterrupted 3-step HACPO run of the warm-started
+    pair, every step checkpointed under `<dir>/ckpt`: the run that tests/test_reliability.py's and
+    tests/test_preemption.py's interrupted and resumed runs must reproduce. Made once per session:
+    checkpoints do not change what a run trains, so both compare with the same run."""
+    from helpers.e2e import HACPO_PAIR_KINDS, HACPO_PAIR_RUN, agent_overrides, run_main, train_steps
+
+    out = str(tmp_path_factory.mktemp("hacpo_pair_reference"))
+    records = run_main(out, agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS) + HACPO_PAIR_RUN
+                       + ["trainer.save_freq=1"])
+    return out, train_steps(records)
+
+
 # the presets' pair in miniature: Qwen3 (tied) and Llama-3.2 (tied), with the real tokenizers
 REAL_PAIR = ("qwen3-tied", "llama3p2-tied")
 

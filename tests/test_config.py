@@ -3,6 +3,7 @@ that cannot work with one line naming the key — before anything starts."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -112,3 +113,22 @@ def test_main_rejects_bad_data_file(tmp_path, demo_overrides):
     err = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
     # the first problem of the first row: this frame lacks `ability` (and `reward_model`)
     assert err == [f"error: {bad}: row 0: field 'ability' missing (expected a str, e.g. 'math')"], err
+
+
+@pytest.mark.parametrize("address, prestart", [(None, "0"), ("10.0.0.1:6379", None)])
+def test_a_local_ray_prestarts_no_idle_workers_and_a_joined_one_is_left_alone(monkeypatch, demo_overrides, address,
+                                                                             prestart):
+    import ray
+
+    from recipe_hacpo import main
+
+    key = main.NO_PRESTART_ENV[0]
+    monkeypatch.setenv(key, "set")  # so that the value this test leaves is undone too
+    monkeypatch.delenv(key)
+    seen = {}
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: seen.update(kw, env=os.environ.get(key)))
+    overrides = demo_overrides + ([f"++ray_kwargs.ray_init.address={address}", "ray_kwargs.ray_init.num_cpus=null",
+                                   "ray_kwargs.ray_init.num_gpus=null"] if address else [])
+    main.start_ray(_compose("hacpo_cpu_demo", overrides))
+    assert seen.get("address") == address and seen["env"] == prestart

@@ -454,25 +454,20 @@ def _shm() -> set[str]:
 @pytest.mark.e2e
 @pytest.mark.ray
 def test_e2e_sigusr1_to_the_process_group_mid_step_then_sigterm_mid_checkpoint_exits_75_and_resumes(
-    tmp_path, warm_agent_paths
+    tmp_path, warm_agent_paths, hacpo_pair_reference
 ):
     """`kill -USR1 -<pgid>` (the trainer and the local Ray it started) in step 2's rollout, with
     no grace (usr1_grace_s=0): step 2 is abandoned and step 1, not yet saved (save_freq=2), is
     checkpointed from the state kept at its end; a SIGTERM arrives while that checkpoint is
     written. The run exits 75 with the checkpoint complete and nothing of it left running; the
     same command resumes and the steps logged equal an uninterrupted run's."""
-    agents = ",".join(
-        f"{{name:{name},model_path:'{warm_agent_paths[kind]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
-        for kind, name in (("qwen2-char-small", "qwen_char"), ("llama-pair-medium", "llama_pair"))
-    )
-    common = [f"agents=[{agents}]", "ray_kwargs.ray_init.num_gpus=2", "trainer.total_training_steps=3",
-              "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.resume_mode=auto"]
+    from helpers.e2e import HACPO_PAIR_KINDS, HACPO_PAIR_RUN, agent_overrides
 
-    reference = str(tmp_path / "reference")
-    proc = subprocess.run(_cli(reference, common + [f"trainer.default_local_dir={reference}/ckpt", "trainer.save_freq=-1"]),
-                          cwd=REPO, env=_env(reference), capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    expected = {s: _training_metrics(d) for s, d in _steps(reference).items()}
+    common = agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS) + HACPO_PAIR_RUN
+
+    # the same run uninterrupted (conftest.py: these agents and settings; its checkpoints change
+    # nothing it trains)
+    expected = {s: _training_metrics(d) for s, d in hacpo_pair_reference[1].items()}
     assert sorted(expected) == [1, 2, 3]
     assert len({expected[s]["agent/qwen_char/actor/pg_loss"] for s in expected}) == 3  # the comparison has teeth
 

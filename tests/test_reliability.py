@@ -19,7 +19,7 @@ import torch
 from omegaconf import OmegaConf
 from tensordict import TensorDict
 from torchdata.stateful_dataloader import StatefulDataLoader
-from helpers.e2e import logged_steps
+from helpers.e2e import HACPO_PAIR_KINDS, HACPO_PAIR_RUN, agent_overrides, logged_steps
 from helpers.golden import check_golden, training_metrics
 from verl import DataProto
 
@@ -763,7 +763,7 @@ def _kill_during(proc, progress_file: str, step: int, phase: str, delay_s: float
 @pytest.mark.e2e
 @pytest.mark.ray
 def test_e2e_killed_mid_checkpoint_and_worker_lost_mid_update_then_resumed_runs_reproduce_the_uninterrupted_run(
-    tmp_path, warm_agent_paths
+    tmp_path, warm_agent_paths, hacpo_pair_reference
 ):
     """One run interrupted twice and resumed each time, against the same run never interrupted:
 
@@ -781,18 +781,10 @@ def test_e2e_killed_mid_checkpoint_and_worker_lost_mid_update_then_resumed_runs_
     import random
     import signal
 
-    paths = {"qwen2-char-small": warm_agent_paths["qwen2-char-small"],
-             "llama-pair-medium": warm_agent_paths["llama-pair-medium"]}
-    common = _agents(paths) + [
-        "trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1",
-        "trainer.val_before_train=false", "trainer.resume_mode=auto",
-    ]
+    common = agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS) + HACPO_PAIR_RUN + ["trainer.save_freq=1"]
 
-    reference = str(tmp_path / "reference")
-    proc = subprocess.run(_cli(reference, common), cwd=REPO, env=_env(reference), capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    reference_steps = _steps(reference)
+    # the same run uninterrupted (conftest.py: these agents and settings, every step saved)
+    reference, reference_steps = hacpo_pair_reference
     # plain HACPO on two agents (the CPU demo's settings): its golden metrics
     check_golden("hacpo_pair", reference_steps)
     expected = {step: training_metrics(data) for step, data in reference_steps.items()}

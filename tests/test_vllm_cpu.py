@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import pytest
 from omegaconf import OmegaConf
@@ -102,6 +103,17 @@ def test_cpu_engine_settings():
 
 
 @needs_no_vllm
+def test_cpu_engine_env_is_set_for_spawned_engines_and_an_explicit_value_wins(monkeypatch):
+    for key in vllm_cpu.CPU_ENGINE_ENV:
+        monkeypatch.setenv(key, "set")  # so that the value this test leaves is undone too
+        monkeypatch.delenv(key)
+    vllm_cpu.set_cpu_engine_env()
+    assert {k: os.environ[k] for k in vllm_cpu.CPU_ENGINE_ENV} == {"TORCH_COMPILE_DISABLE": "1"}
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "0")
+    vllm_cpu.set_cpu_engine_env()
+    assert os.environ["TORCH_COMPILE_DISABLE"] == "0"
+
+
 def test_a_vllm_cpu_run_is_refused_before_ray_in_one_line(tmp_path):
     from hydra import compose, initialize_config_module
 

@@ -133,6 +133,32 @@ def test_the_verl_and_vllm_hooks_the_server_relies_on():
     assert "self.logprobs_mode = logprobs_mode" in inspect.getsource(Sampler.__init__)
 
 
+# a fresh process (torch reads TORCH_COMPILE_DISABLE when it first imports its compile settings)
+_GRAPHS_COMPILED = """
+import torch
+from torch._dynamo.utils import counters
+from vllm.v1.sample.ops.topk_topp_sampler import compiled_random_sample
+compiled_random_sample(torch.randn(4, 300).softmax(-1))
+print(counters["stats"]["unique_graphs"])
+"""
+
+
+def test_cpu_engines_spawn_their_processes_without_torch_compile():
+    """vllm_cpu.CPU_ENGINE_ENV: vLLM's sampler still holds a torch.compile function that
+    enforce_eager leaves on (the reason for the setting), and with the setting it compiles nothing."""
+    from vllm.v1.sample.ops.topk_topp_sampler import compiled_random_sample
+
+    from recipe_hacpo.workers import vllm_cpu
+
+    # wrapped by torch.compile in this process, where the setting is not made
+    assert os.environ.get("TORCH_COMPILE_DISABLE") != "1"
+    assert callable(getattr(compiled_random_sample, "_torchdynamo_orig_callable", None))
+    proc = subprocess.run([sys.executable, "-c", _GRAPHS_COMPILED], env={**os.environ, **vllm_cpu.CPU_ENGINE_ENV},
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "0", proc.stdout
+
+
 def test_an_agent_whose_head_size_vllm_cpu_refuses_stops_before_ray(tmp_path):
     small = tiny_agents.build_agent(str(tmp_path), "qwen2-char-small")  # head size 16
     ok = tiny_agents.build_agent(str(tmp_path), "llama-pair-h32")

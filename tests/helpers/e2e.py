@@ -37,6 +37,13 @@ def run_main(out_dir: str, overrides: list[str], timeout: int = 900, env: dict |
         return [json.loads(line) for line in f]
 
 
+# the CPU demo's pair and the settings of its uninterrupted 3-step run (conftest.py's
+# `hacpo_pair_reference`), which the kill-and-resume tests reproduce piece by piece
+HACPO_PAIR_KINDS = ["qwen2-char-small", "llama-pair-medium"]
+HACPO_PAIR_RUN = ["trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
+                  "trainer.resume_mode=auto"]
+
+
 def agent_overrides(paths: dict[str, str], kinds: list[str]) -> list[str]:
     names = {"qwen2-char-small": "qwen_char", "llama-pair-medium": "llama_pair", "qwen2-char-medium": "qwen_mid",
              "qwen3-tied": "qwen3", "llama3p2-tied": "llama3"}
