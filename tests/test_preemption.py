@@ -16,6 +16,7 @@ import time
 
 import pytest
 import torch
+from helpers.e2e import HACPO_PAIR_KINDS, HACPO_PAIR_RUN, agent_overrides
 from omegaconf import OmegaConf
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -461,8 +462,6 @@ def test_e2e_sigusr1_to_the_process_group_mid_step_then_sigterm_mid_checkpoint_e
     checkpointed from the state kept at its end; a SIGTERM arrives while that checkpoint is
     written. The run exits 75 with the checkpoint complete and nothing of it left running; the
     same command resumes and the steps logged equal an uninterrupted run's."""
-    from helpers.e2e import HACPO_PAIR_KINDS, HACPO_PAIR_RUN, agent_overrides
-
     common = agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS) + HACPO_PAIR_RUN
 
     # the same run uninterrupted (conftest.py: these agents and settings; its checkpoints change

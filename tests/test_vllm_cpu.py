@@ -102,7 +102,6 @@ def test_cpu_engine_settings():
     }
 
 
-@needs_no_vllm
 def test_cpu_engine_env_is_set_for_spawned_engines_and_an_explicit_value_wins(monkeypatch):
     for key in vllm_cpu.CPU_ENGINE_ENV:
         monkeypatch.setenv(key, "set")  # so that the value this test leaves is undone too
@@ -114,6 +113,7 @@ def test_cpu_engine_env_is_set_for_spawned_engines_and_an_explicit_value_wins(mo
     assert os.environ["TORCH_COMPILE_DISABLE"] == "0"
 
 
+@needs_no_vllm
 def test_a_vllm_cpu_run_is_refused_before_ray_in_one_line(tmp_path):
     from hydra import compose, initialize_config_module
 
