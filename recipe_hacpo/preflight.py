@@ -24,13 +24,15 @@ Phases:
              broadcast, barrier, each group must see only its own values. GPU: verl's backend
              string (cpu:gloo,cuda:nccl), one rank per agent on GPU 0. CPU stand-in: gloo, two
              ranks per agent
-  train      `python -m recipe_hacpo.main --config-name hacpo_cpu_demo` with the two tiny agents
-             of tiny_agents.py (built offline) on one shared pool in bf16, the first with
-             param/optimizer offload, the second with FSDP2's offload_policy: run A trains step 1
-             and checkpoints; run B resumes from global_step_1 and trains step 2; every agent's
-             pg_loss finite, both checkpoints complete. CPU stand-in: the same runs with
-             param/optimizer offload for both (offload_policy needs an accelerator). GPU peak: the
-             sum over agents of verl's perf/max_memory_allocated_gb
+  train      `python -m recipe_hacpo.main --config-name hacpo_cpu_demo` with the demo's two
+             warm-started tiny agents (data/demo_agents) on 3-digit addition, on one shared pool
+             in bf16, the first with param/optimizer offload, the second with FSDP2's
+             offload_policy: run A trains step 1 and checkpoints; run B resumes from global_step_1
+             and trains step 2; every agent's pg_loss and grad_norm finite, its grad_norm above 0
+             at some step (untrained agents score 0, so every gradient would be 0), both
+             checkpoints complete. CPU stand-in: the same runs with param/optimizer offload for
+             both (offload_policy needs an accelerator). GPU peak: the sum over agents of verl's
+             perf/max_memory_allocated_gb
   vllm       GPU with vLLM installed only: one HACPO step of two tiny agents (head size 32) through
              verl's vLLM servers on one GPU (eager, 0.15 of the GPU each). CPU: skipped (the vLLM
              tier, `make test-vllm`, runs verl's vLLM servers on CPU)
@@ -40,10 +42,11 @@ Ray, vLLM, pyzmq: a GPU node has only what the user installed) is "skipped: X no
 anything a phase raises is one "failed" line, never a traceback. The GPU peak of a phase that runs
 in child processes is the sum of their torch.cuda.max_memory_allocated (each child starts fresh).
 
-Where each part has run: every CPU variant above runs in CI (tests/test_preflight.py). The GPU
-variants of ipc, nccl, train and vllm, the loss phase on CUDA and the install phase have not run
-on a GPU; gpu_checks.py / gpu_smoke.sh in the project's shared folder are earlier scripts of the
-same checks, not this module.
+Where each part has run: every CPU variant above runs in CI (tests/test_preflight.py). On one
+H200 (torch 2.11.0+cu130, driver 580, no vLLM or flash_attn installed; docs/REPRODUCE.md has the
+figures) the loss, ipc, nccl and train phases passed, train still with untrained agents (before
+the grad_norm check); the vllm phase and the install phase's checks of vLLM's kernels, flash_attn
+and verl's vLLM server have not run on a GPU.
 """
 
 from __future__ import annotations
@@ -590,7 +593,11 @@ def phase_nccl() -> Verdict:
 
 
 # ------------------------------------------------------------------------------ train (+ resume)
-TRAIN_KINDS = {"qwen_char": "qwen2-char-small", "llama_pair": "llama-pair-medium"}
+# The demo's warm-started agents (data/demo_agents: the two tiny kinds after supervised steps on
+# 3-digit addition) and their task. Untrained agents score 0 on every sample, so every advantage
+# is 0, every gradient exactly 0, and a run would pass without its update changing a weight.
+TRAIN_AGENTS = {"qwen_char": "qwen2-char-small_add3_1500_s0", "llama_pair": "llama-pair-medium_add3_1200_s0"}
+TRAIN_DATA = "arith_add3_train.parquet"
 VLLM_KINDS = {"qwen_char": "qwen2-char-h32", "llama_pair": "llama-pair-h32"}
 
 
@@ -600,6 +607,13 @@ def _repo_data_dir() -> str | None:
         if d and os.path.isfile(os.path.join(d, "arith_add1_train.parquet")):
             return d
     return None
+
+
+def train_agent_dirs(data_dir: str) -> dict | None:
+    """{agent: folder} of the demo's warm-started agents under `data_dir`; None if one is missing."""
+    dirs = {name: os.path.join(data_dir, "demo_agents", folder) for name, folder in TRAIN_AGENTS.items()}
+    ok = all(os.path.isfile(os.path.join(d, "config.json")) for d in dirs.values())
+    return dirs if ok and os.path.isfile(os.path.join(data_dir, TRAIN_DATA)) else None
 
 
 def train_overrides(agent_dirs: dict, work: str, cuda: bool, *, vllm: bool = False) -> list[str]:
@@ -690,7 +704,8 @@ def _gpu_peak_from_metrics(steps: dict) -> float | None:
 
 def judge_train(steps_a: dict, steps_b: dict, ckpt_root: str, agents: list[str]) -> list[str]:
     """What is wrong with runs A (1 step) and B (resumed, 2 steps): the steps each logged, every
-    agent's pg_loss in each, the two checkpoints. Empty: nothing."""
+    agent's pg_loss and grad_norm in each (finite, and the gradient not 0 at every step: an update
+    that moved no weight checks nothing), the two checkpoints. Empty: nothing."""
     from recipe_hacpo.reliability import checkpoint_problem
 
     problems = []
@@ -704,6 +719,13 @@ def judge_train(steps_a: dict, steps_b: dict, ckpt_root: str, agents: list[str])
                 loss = data.get(f"agent/{agent}/actor/pg_loss")
                 if not isinstance(loss, (int, float)) or not math.isfinite(loss):
                     problems.append(f"run {run_name} step {step}: {agent} pg_loss {loss}")
+                norm = data.get(f"agent/{agent}/actor/grad_norm")
+                if not isinstance(norm, (int, float)) or not math.isfinite(norm):
+                    problems.append(f"run {run_name} step {step}: {agent} grad_norm {norm}")
+    for agent in agents:
+        norms = [d.get(f"agent/{agent}/actor/grad_norm") for d in (*steps_a.values(), *steps_b.values())]
+        if norms and all(n == 0 for n in norms):
+            problems.append(f"{agent}: grad_norm 0 at every step (every advantage 0: no update changed a weight)")
     for step in (1, 2):
         problem = checkpoint_problem(os.path.join(ckpt_root, f"global_step_{step}"), agents)
         if problem:
@@ -711,13 +733,12 @@ def judge_train(steps_a: dict, steps_b: dict, ckpt_root: str, agents: list[str])
     return problems
 
 
-def train_check(work: str, cuda: bool, timeout: float = 600.0) -> dict:
+def train_check(work: str, cuda: bool, data_dir: str, timeout: float = 600.0) -> dict:
     """Run A: step 1 and its checkpoint. Run B, the same command with 2 steps: resumes from
-    global_step_1, trains step 2, checkpoints it."""
-    from recipe_hacpo.tiny_agents import build_agent
-
-    dirs = {name: build_agent(os.path.join(work, "agents", kind), kind) for name, kind in TRAIN_KINDS.items()}
-    base = train_overrides(dirs, work, cuda)
+    global_step_1, trains step 2, checkpoints it. The demo's warm-started agents on its task."""
+    dirs = train_agent_dirs(data_dir)
+    base = train_overrides(dirs, work, cuda) + [f"data.train_files={os.path.join(data_dir, TRAIN_DATA)}",
+                                                "data.max_prompt_length=48"]
     result = {"problems": [], "peak": None, "runs": {}, "agents": list(dirs)}
     for name, steps in (("A", 1), ("B", 2)):
         run = _run_main([*base, f"trainer.total_training_steps={steps}"], work, name, timeout)
@@ -742,15 +763,16 @@ def phase_train() -> Verdict:
     missing = _missing("verl", "ray", "hydra")
     if missing:
         return Verdict("train", "skipped", missing)
-    if _repo_data_dir() is None:
-        return Verdict("train", "skipped", "data/arith_add1_train.parquet not found (run from the repository root "
-                                            "or set HACPO_DATA_DIR)")
+    data_dir = _repo_data_dir()
+    if data_dir is None or train_agent_dirs(data_dir) is None:
+        return Verdict("train", "skipped", f"data/{TRAIN_DATA} or data/demo_agents/ not found (run from the repository "
+                                            "root or set HACPO_DATA_DIR)")
     import shutil
 
     cuda = _cuda()
     work = _work_dir("train")
     try:
-        r = train_check(work, cuda)
+        r = train_check(work, cuda, data_dir)
     finally:
         if os.environ.get("HACPO_PREFLIGHT_KEEP") != "1":
             shutil.rmtree(work, ignore_errors=True)
@@ -758,9 +780,9 @@ def phase_train() -> Verdict:
     if r["problems"]:
         keep = "" if os.environ.get("HACPO_PREFLIGHT_KEEP") == "1" else " (HACPO_PREFLIGHT_KEEP=1 keeps the logs)"
         return Verdict("train", "failed", stand_in + "; ".join(r["problems"][:2]) + keep, r["peak"])
-    return Verdict("train", "passed", f"{stand_in}2 tiny agents on one shared {'GPU' if cuda else 'CPU'} in bf16, "
-                   f"HACPO step 1 + checkpoint, then a resume from global_step_1 + step 2 + checkpoint; both agents' "
-                   f"pg_loss finite every step", r["peak"])
+    return Verdict("train", "passed", f"{stand_in}2 warm-started tiny agents on one shared {'GPU' if cuda else 'CPU'} "
+                   f"in bf16, HACPO step 1 + checkpoint, then a resume from global_step_1 + step 2 + checkpoint; both "
+                   f"agents' pg_loss and grad_norm finite every step, grad_norm > 0", r["peak"])
 
 
 def phase_vllm() -> Verdict:

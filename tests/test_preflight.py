@@ -83,16 +83,19 @@ def test_cpu_run_passes_what_runs_here_and_skips_the_gpu_parts(tmp_path):
 @pytest.mark.ray
 @pytest.mark.e2e
 def test_train_phase_two_agents_step_checkpoint_resume_on_cpu(tmp_path):
-    """The train phase's CPU stand-in: two tiny agents on one shared pool in bf16, step 1 with a
-    checkpoint, then a second run that resumes from it and trains step 2."""
+    """The train phase's CPU stand-in: the demo's two warm-started agents on one shared pool in bf16,
+    step 1 with a checkpoint, then a second run that resumes from it and trains step 2; every
+    agent's update has a gradient."""
     if preflight._cuda():
         pytest.skip("this test is the CPU run")
-    r = preflight.train_check(str(tmp_path), cuda=False)
+    r = preflight.train_check(str(tmp_path), cuda=False, data_dir=preflight._repo_data_dir())
     assert r["problems"] == [], (r["problems"], r["runs"])
     a, b = r["runs"]["A"]["steps"], r["runs"]["B"]["steps"]
     assert sorted(a) == [1] and sorted(b) == [2]  # B started at step 2: it resumed
     for agent in ("qwen_char", "llama_pair"):
         assert math.isfinite(a[1][f"agent/{agent}/actor/pg_loss"]) and math.isfinite(b[2][f"agent/{agent}/actor/pg_loss"])
+        assert max(a[1][f"agent/{agent}/actor/grad_norm"], b[2][f"agent/{agent}/actor/grad_norm"]) > 0
+        assert a[1][f"agent/{agent}/reward/mean"] > 0 or b[2][f"agent/{agent}/reward/mean"] > 0
         for step in (1, 2):
             assert os.listdir(tmp_path / "ckpt" / f"global_step_{step}" / agent / "actor")
     assert r["peak"] is None
@@ -103,7 +106,7 @@ def test_judge_train_finds_what_a_broken_run_leaves(tmp_path):
     from recipe_hacpo.reliability import STATE_FILE
 
     agents = ["qwen_char", "llama_pair"]
-    ok = {f"agent/{a}/actor/pg_loss": 0.1 for a in agents}
+    ok = {f"agent/{a}/actor/{k}": 0.1 for a in agents for k in ("pg_loss", "grad_norm")}
     for step in (1, 2):
         for agent in agents:
             os.makedirs(tmp_path / f"global_step_{step}" / agent / "actor")
@@ -115,6 +118,15 @@ def test_judge_train_finds_what_a_broken_run_leaves(tmp_path):
     nan = ok | {"agent/llama_pair/actor/pg_loss": float("nan")}
     problems = preflight.judge_train({1: ok}, {2: nan}, str(tmp_path), agents)
     assert problems == ["run B step 2: llama_pair pg_loss nan"]
+    nan_grad = ok | {"agent/qwen_char/actor/grad_norm": float("nan")}
+    assert preflight.judge_train({1: nan_grad}, {2: ok}, str(tmp_path), agents) == [
+        "run A step 1: qwen_char grad_norm nan"]
+    # untrained agents: reward 0 everywhere, every advantage and so every gradient exactly 0
+    still = ok | {"agent/llama_pair/actor/grad_norm": 0.0}
+    assert preflight.judge_train({1: still}, {2: still | {"agent/qwen_char/actor/grad_norm": 0.0}}, str(tmp_path),
+                                 agents) == ["llama_pair: grad_norm 0 at every step (every advantage 0: no update "
+                                             "changed a weight)"]
+    assert preflight.judge_train({1: still}, {2: ok}, str(tmp_path), agents) == []
     import shutil
 
     shutil.rmtree(tmp_path / "global_step_2" / "llama_pair")
