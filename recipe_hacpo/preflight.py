@@ -601,7 +601,7 @@ TRAIN_DATA = "arith_add3_train.parquet"
 VLLM_KINDS = {"qwen_char": "qwen2-char-h32", "llama_pair": "llama-pair-h32"}
 
 
-def _repo_data_dir() -> str | None:
+def repo_data_dir() -> str | None:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     for d in (os.environ.get("HACPO_DATA_DIR"), os.path.join(os.getcwd(), "data"), os.path.join(here, "data")):
         if d and os.path.isfile(os.path.join(d, "arith_add1_train.parquet")):
@@ -647,12 +647,12 @@ def train_overrides(agent_dirs: dict, work: str, cuda: bool, *, vllm: bool = Fal
     return out
 
 
-def _run_main(overrides: list[str], work: str, name: str, timeout: float) -> dict:
+def run_main(overrides: list[str], work: str, name: str, timeout: float) -> dict:
     """One `python -m recipe_hacpo.main` run; its step records and the line that says why it failed."""
     env = dict(os.environ, VERL_FILE_LOGGER_PATH=os.path.join(work, f"metrics_{name}.jsonl"),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-    if _repo_data_dir():
-        env["HACPO_DATA_DIR"] = _repo_data_dir()
+    if repo_data_dir():
+        env["HACPO_DATA_DIR"] = repo_data_dir()
     log_path = os.path.join(work, f"run_{name}.log")
     import signal
 
@@ -690,7 +690,7 @@ def _run_main(overrides: list[str], work: str, name: str, timeout: float) -> dic
     return {"rc": rc, "steps": steps, "why": why, "log": log_path}
 
 
-def _gpu_peak_from_metrics(steps: dict) -> float | None:
+def gpu_peak_from_metrics(steps: dict) -> float | None:
     """Sum over agents of each agent's largest actor peak (verl's `perf/max_memory_allocated_gb`): on
     a shared pool both actors hold their share at once, so the sum bounds what they held together."""
     per_agent: dict[str, float] = {}
@@ -741,14 +741,14 @@ def train_check(work: str, cuda: bool, data_dir: str, timeout: float = 600.0) ->
                                                 "data.max_prompt_length=48"]
     result = {"problems": [], "peak": None, "runs": {}, "agents": list(dirs)}
     for name, steps in (("A", 1), ("B", 2)):
-        run = _run_main([*base, f"trainer.total_training_steps={steps}"], work, name, timeout)
+        run = run_main([*base, f"trainer.total_training_steps={steps}"], work, name, timeout)
         result["runs"][name] = run
         if run["why"]:
             result["problems"].append(run["why"])
             return result
     a, b = result["runs"]["A"]["steps"], result["runs"]["B"]["steps"]
     result["problems"] = judge_train(a, b, os.path.join(work, "ckpt"), list(dirs))
-    peaks = [p for p in (_gpu_peak_from_metrics(a), _gpu_peak_from_metrics(b)) if p is not None]
+    peaks = [p for p in (gpu_peak_from_metrics(a), gpu_peak_from_metrics(b)) if p is not None]
     result["peak"] = max(peaks) if peaks and cuda else None
     return result
 
@@ -763,7 +763,7 @@ def phase_train() -> Verdict:
     missing = _missing("verl", "ray", "hydra")
     if missing:
         return Verdict("train", "skipped", missing)
-    data_dir = _repo_data_dir()
+    data_dir = repo_data_dir()
     if data_dir is None or train_agent_dirs(data_dir) is None:
         return Verdict("train", "skipped", f"data/{TRAIN_DATA} or data/demo_agents/ not found (run from the repository "
                                             "root or set HACPO_DATA_DIR)")
@@ -791,7 +791,7 @@ def phase_vllm() -> Verdict:
     missing = _missing("vllm", "verl", "ray", "hydra")
     if missing:
         return Verdict("vllm", "skipped", missing)
-    if _repo_data_dir() is None:
+    if repo_data_dir() is None:
         return Verdict("vllm", "skipped", "data/arith_add1_train.parquet not found (run from the repository root "
                                            "or set HACPO_DATA_DIR)")
     import shutil
@@ -801,7 +801,7 @@ def phase_vllm() -> Verdict:
     work = _work_dir("vllm")
     try:
         dirs = {name: build_agent(os.path.join(work, "agents", kind), kind) for name, kind in VLLM_KINDS.items()}
-        run = _run_main([*train_overrides(dirs, work, True, vllm=True), "trainer.total_training_steps=1"], work, "V", 600)
+        run = run_main([*train_overrides(dirs, work, True, vllm=True), "trainer.total_training_steps=1"], work, "V", 600)
     finally:
         if os.environ.get("HACPO_PREFLIGHT_KEEP") != "1":
             shutil.rmtree(work, ignore_errors=True)
@@ -810,7 +810,7 @@ def phase_vllm() -> Verdict:
     if sorted(run["steps"]) != [1]:
         return Verdict("vllm", "failed", f"logged steps {sorted(run['steps'])}, expected [1]")
     return Verdict("vllm", "passed", "2 agents' vLLM servers on one GPU (eager, 0.15 of the GPU each, dummy load), "
-                   "verl's weight sync to each, 1 HACPO step", _gpu_peak_from_metrics(run["steps"]))
+                   "verl's weight sync to each, 1 HACPO step", gpu_peak_from_metrics(run["steps"]))
 
 
 GPU_PHASES = (phase_ipc, phase_nccl, phase_train, phase_vllm)

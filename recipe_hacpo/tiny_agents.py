@@ -365,7 +365,7 @@ def _generation_config(tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
     )
 
 
-def _real_generation_config(spec: RealArchSpec, tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
+def real_generation_config(spec: RealArchSpec, tokenizer: PreTrainedTokenizerFast) -> GenerationConfig:
     """As the real checkpoints' generation configs: Qwen3 stops on <|im_end|> and <|endoftext|>,
     Llama-3.2 on <|end_of_text|>, <|eom_id|> (128008) and <|eot_id|>."""
     if spec.arch == "qwen3":
@@ -419,7 +419,7 @@ def build_agent(out_dir: str, kind: str, seed: int | None = None) -> str:
         # fetched (or failing with one line) before any model is built
         tokenizer = real_tokenizers.load_tokenizer(spec.tokenizer)
         model = build_real_arch_model(spec, tokenizer, seed)
-        model.generation_config = _real_generation_config(spec, tokenizer)
+        model.generation_config = real_generation_config(spec, tokenizer)
     else:
         tokenizer = TOKENIZER_BUILDERS[spec.tokenizer]()
         model = build_model(spec, tokenizer, seed)

@@ -88,7 +88,7 @@ def test_train_phase_two_agents_step_checkpoint_resume_on_cpu(tmp_path):
     agent's update has a gradient."""
     if preflight._cuda():
         pytest.skip("this test is the CPU run")
-    r = preflight.train_check(str(tmp_path), cuda=False, data_dir=preflight._repo_data_dir())
+    r = preflight.train_check(str(tmp_path), cuda=False, data_dir=preflight.repo_data_dir())
     assert r["problems"] == [], (r["problems"], r["runs"])
     a, b = r["runs"]["A"]["steps"], r["runs"]["B"]["steps"]
     assert sorted(a) == [1] and sorted(b) == [2]  # B started at step 2: it resumed
@@ -274,7 +274,7 @@ def test_a_training_run_past_its_limit_is_stopped_and_one_line(tmp_path):
     import time
 
     t0 = time.monotonic()
-    run = preflight._run_main(["--config-name", "hacpo_cpu_demo"], str(tmp_path), "A", timeout=1)
+    run = preflight.run_main(["--config-name", "hacpo_cpu_demo"], str(tmp_path), "A", timeout=1)
     assert run["rc"] == "timeout" and run["steps"] == {}
     assert run["why"].startswith("run A timed out: ") and "\n" not in run["why"]
     assert time.monotonic() - t0 < 45
