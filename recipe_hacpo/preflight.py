@@ -611,7 +611,8 @@ def repo_data_dir() -> str | None:
 
 def train_agent_dirs(data_dir: str) -> dict | None:
     """{agent: folder} of the demo's warm-started agents under `data_dir`; None if one is missing."""
-    dirs = {name: os.path.join(data_dir, "demo_agents", folder) for name, folder in TRAIN_AGENTS.items()}
+    # absolute: the Ray workers that load them need not share this process's working directory
+    dirs = {name: os.path.abspath(os.path.join(data_dir, "demo_agents", folder)) for name, folder in TRAIN_AGENTS.items()}
     ok = all(os.path.isfile(os.path.join(d, "config.json")) for d in dirs.values())
     return dirs if ok and os.path.isfile(os.path.join(data_dir, TRAIN_DATA)) else None
 
@@ -737,7 +738,7 @@ def train_check(work: str, cuda: bool, data_dir: str, timeout: float = 600.0) ->
     """Run A: step 1 and its checkpoint. Run B, the same command with 2 steps: resumes from
     global_step_1, trains step 2, checkpoints it. The demo's warm-started agents on its task."""
     dirs = train_agent_dirs(data_dir)
-    base = train_overrides(dirs, work, cuda) + [f"data.train_files={os.path.join(data_dir, TRAIN_DATA)}",
+    base = train_overrides(dirs, work, cuda) + [f"data.train_files={os.path.abspath(os.path.join(data_dir, TRAIN_DATA))}",
                                                 "data.max_prompt_length=48"]
     result = {"problems": [], "peak": None, "runs": {}, "agents": list(dirs)}
     for name, steps in (("A", 1), ("B", 2)):

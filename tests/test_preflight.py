@@ -13,6 +13,8 @@ import pytest
 
 from recipe_hacpo import preflight
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 
 def _imports_ok(name):
     return None
@@ -278,3 +280,11 @@ def test_a_training_run_past_its_limit_is_stopped_and_one_line(tmp_path):
     assert run["rc"] == "timeout" and run["steps"] == {}
     assert run["why"].startswith("run A timed out: ") and "\n" not in run["why"]
     assert time.monotonic() - t0 < 45
+
+
+def test_train_agents_are_the_shipped_warm_starts_by_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO_ROOT)
+    dirs = preflight.train_agent_dirs("data")
+    assert dirs is not None and set(dirs) == {"qwen_char", "llama_pair"}
+    assert all(os.path.isabs(d) and os.path.isfile(os.path.join(d, "config.json")) for d in dirs.values())
+    assert preflight.train_agent_dirs(str(tmp_path)) is None  # no demo agents there: the phase says skipped
