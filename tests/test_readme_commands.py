@@ -74,7 +74,8 @@ def test_readme_names_the_make_targets_and_ci_runs_make_test():
     assert "pip install" not in ci, ".ci/run must not install by itself (make test does)"
     assert "../shared" not in README and "/work/shared" not in README
     # the GPU status comes before any section, and linked docs exist
-    assert "No GPU run has been made" in README.split("\n## ")[0]
+    status = README.split("\n## ")[0]
+    assert "On a GPU, only the preflight has run" in status and "have not run" in status
     for link in re.findall(r"\]\(([^)#]+)\)", README):
         assert link.startswith("http") or (REPO / link).exists(), f"README links a missing file: {link}"
 
