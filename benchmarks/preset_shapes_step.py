@@ -100,11 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     if preflight.repo_data_dir() is None:
         sys.exit("data/arith_add1_train.parquet not found: run from the repository root or set HACPO_DATA_DIR")
     work = args.work or tempfile.mkdtemp(prefix="hacpo_preset_shapes_")
-    dirs, params = {}, {}
+    dirs = {}
     for name, spec in specs.items():
         dirs[name] = os.path.join(work, "agents", name)
-        params[name] = build_agent_at(spec, dirs[name])
-        print(f"{name}: {params[name] / 1e9:.3f} B parameters, vocabulary {spec.vocab_size}, "
+        n_params = build_agent_at(spec, dirs[name])
+        print(f"{name}: {n_params / 1e9:.3f} B parameters, vocabulary {spec.vocab_size}, "
               f"tied={spec.tie_word_embeddings}", flush=True)
     cuda = torch.cuda.is_available()
     overrides = preflight.train_overrides(dirs, work, cuda) + [

@@ -652,8 +652,9 @@ def run_main(overrides: list[str], work: str, name: str, timeout: float) -> dict
     """One `python -m recipe_hacpo.main` run; its step records and the line that says why it failed."""
     env = dict(os.environ, VERL_FILE_LOGGER_PATH=os.path.join(work, f"metrics_{name}.jsonl"),
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", PYTHONUNBUFFERED="1")
-    if repo_data_dir():
-        env["HACPO_DATA_DIR"] = repo_data_dir()
+    data_dir = repo_data_dir()
+    if data_dir:
+        env["HACPO_DATA_DIR"] = data_dir
     log_path = os.path.join(work, f"run_{name}.log")
     import signal
 

@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
+from helpers.e2e import REPO
 from recipe_hacpo import preflight
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _imports_ok(name):
@@ -283,7 +282,7 @@ def test_a_training_run_past_its_limit_is_stopped_and_one_line(tmp_path):
 
 
 def test_train_agents_are_the_shipped_warm_starts_by_absolute_path(tmp_path, monkeypatch):
-    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.chdir(REPO)
     dirs = preflight.train_agent_dirs("data")
     assert dirs is not None and set(dirs) == {"qwen_char", "llama_pair"}
     assert all(os.path.isabs(d) and os.path.isfile(os.path.join(d, "config.json")) for d in dirs.values())
