@@ -4,7 +4,7 @@
 #   make demo         the CPU demo (two tiny agents learn 3-digit addition together)
 #   make test         what CI runs (.ci/run calls this target): test-fast, then test-vllm
 #   make test-fast    every test but the vLLM tier, in .venv: test-quick, then test-ray
-#   make test-ray     the fast tier's Ray, end-to-end and Slurm tests
+#   make test-ray     the fast tier's Ray, end-to-end and Slurm tests (two files at a time)
 #   make test-vllm    the vLLM tier (verl's vLLM servers on CPU), in .venv-vllm
 #   make test-all     the same as make test
 #   make test-quick   the tests that start no Ray cluster
@@ -91,8 +91,9 @@ test: $(STAMP)
 test-all: test
 
 # The fast tier in two passes: the tests that start no Ray cluster, on two processes (one per
-# core, pytest-xdist), then the Ray / end-to-end / Slurm tests one at a time (each starts its own
-# Ray cluster, Slurm daemons or timed kills, and keeps both cores busy by itself).
+# core, pytest-xdist), then the Ray / end-to-end / Slurm tests, two test files at a time. Each of
+# those starts its own Ray cluster (or Slurm daemons) and leaves a core idle about a third of its
+# time (a CLI's start-up, Ray's, a checkpoint, the waits on Slurm): a second file fills that time.
 test-fast: test-quick test-ray
 
 # what to run first on a GPU node (recipe_hacpo/preflight.py); on a CPU machine the device phases
@@ -106,8 +107,10 @@ preflight:
 test-quick: $(STAMP) tokenizers
 	$(VPY) -m pytest $(PYTEST_FLAGS) -n 2 -m "not ray and not e2e and not vllm"
 
+# --dist loadfile: a file's tests on one worker, so its module fixtures (a Slurm cluster, a
+# reference run) are made once; session fixtures are made once for both (tests/helpers/built_once.py)
 test-ray: $(STAMP) tokenizers
-	$(VPY) -m pytest $(PYTEST_FLAGS) -m "(ray or e2e) and not vllm"
+	$(VPY) -m pytest $(PYTEST_FLAGS) -n 2 --dist loadfile -m "(ray or e2e) and not vllm"
 
 # the tier's module only: collecting every test module in .venv-vllm costs minutes
 VLLM_TESTS ?= tests/test_vllm_tier.py

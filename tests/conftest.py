@@ -1,16 +1,18 @@
-"""Shared pytest fixtures: tiny offline agents and their tokenizers (built once per session)."""
+"""Shared pytest fixtures: tiny offline agents and their tokenizers, built once per test run (the
+workers of `pytest -n 2` share what one of them built: helpers/built_once.py)."""
 
 from __future__ import annotations
 
 import pytest
 
+from helpers.built_once import built_once
 from recipe_hacpo import tiny_agents
 
 
 @pytest.fixture(scope="session")
 def tiny_agent_paths(tmp_path_factory) -> dict[str, str]:
     """{kind: checkpoint dir} for every default tiny agent, loadable with `from_pretrained`."""
-    return tiny_agents.build_default_agents(str(tmp_path_factory.mktemp("tiny_agents")))
+    return built_once(tmp_path_factory, "tiny_agents", lambda root: tiny_agents.build_default_agents(str(root)))
 
 
 @pytest.fixture(scope="session")
@@ -34,31 +36,35 @@ def warm_agent_paths(tmp_path_factory) -> dict[str, str]:
     """
     from recipe_hacpo.warm_start import WarmStartArgs, warm_start
 
-    root = tmp_path_factory.mktemp("warm_agents")
-    paths = {}
-    for kind in tiny_agents.DEFAULT_KINDS:
-        out = str(root / kind)
-        warm_start(
-            WarmStartArgs(kind=kind, task="add1", steps=40, n_train=2000, n_eval=200, batch_size=64),
-            out,
-            verbose=False,
-        )
-        paths[kind] = out
-    return paths
+    def build(root) -> dict[str, str]:
+        paths = {}
+        for kind in tiny_agents.DEFAULT_KINDS:
+            out = str(root / kind)
+            warm_start(
+                WarmStartArgs(kind=kind, task="add1", steps=40, n_train=2000, n_eval=200, batch_size=64),
+                out,
+                verbose=False,
+            )
+            paths[kind] = out
+        return paths
+
+    return built_once(tmp_path_factory, "warm_agents", build)
 
 
 @pytest.fixture(scope="session")
 def hacpo_pair_reference(tmp_path_factory, warm_agent_paths) -> tuple[str, dict[int, dict]]:
     """(output dir, {step: metrics}) of one uninterrupted 3-step HACPO run of the warm-started
     pair, every step checkpointed under `<dir>/ckpt`: the run that tests/test_reliability.py's and
-    tests/test_preemption.py's interrupted and resumed runs must reproduce. Made once per session:
+    tests/test_preemption.py's interrupted and resumed runs must reproduce. Made once per test run:
     checkpoints do not change what a run trains, so both compare with the same run."""
     from helpers.e2e import HACPO_PAIR_KINDS, HACPO_PAIR_RUN, agent_overrides, run_main, train_steps
 
-    out = str(tmp_path_factory.mktemp("hacpo_pair_reference"))
-    records = run_main(out, agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS) + HACPO_PAIR_RUN
-                       + ["trainer.save_freq=1"])
-    return out, train_steps(records)
+    def build(root) -> tuple[str, dict[int, dict]]:
+        records = run_main(str(root), agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS) + HACPO_PAIR_RUN
+                           + ["trainer.save_freq=1"])
+        return str(root), train_steps(records)
+
+    return built_once(tmp_path_factory, "hacpo_pair_reference", build)
 
 
 # the presets' pair in miniature: Qwen3 (tied) and Llama-3.2 (tied), with the real tokenizers
@@ -76,17 +82,19 @@ def warm_real_agent_paths(tmp_path_factory) -> dict[str, str]:
     get mixed rewards."""
     from recipe_hacpo.warm_start import WarmStartArgs, warm_start
 
-    root = tmp_path_factory.mktemp("warm_real_agents")
-    paths = {}
-    for kind in REAL_PAIR:
-        out = str(root / kind)
-        warm_start(
-            WarmStartArgs(kind=kind, task="add1", steps=100, lr=1e-2, n_train=2000, n_eval=200, batch_size=64),
-            out,
-            verbose=False,
-        )
-        paths[kind] = out
-    return paths
+    def build(root) -> dict[str, str]:
+        paths = {}
+        for kind in REAL_PAIR:
+            out = str(root / kind)
+            warm_start(
+                WarmStartArgs(kind=kind, task="add1", steps=100, lr=1e-2, n_train=2000, n_eval=200, batch_size=64),
+                out,
+                verbose=False,
+            )
+            paths[kind] = out
+        return paths
+
+    return built_once(tmp_path_factory, "warm_real_agents", build)
 
 
 @pytest.fixture

@@ -171,7 +171,7 @@ def test_the_targets_run_what_the_readme_says(clone):
         (clone / venv / ".installed").touch()
     flags = "-q -p no:cacheprovider --durations=25"
     quick = f'.venv/bin/python -m pytest {flags} -n 2 -m "not ray and not e2e and not vllm"'
-    ray = f'.venv/bin/python -m pytest {flags} -m "(ray or e2e) and not vllm"'
+    ray = f'.venv/bin/python -m pytest {flags} -n 2 --dist loadfile -m "(ray or e2e) and not vllm"'
     vllm = f".venv-vllm/bin/python -m pytest {flags} -m vllm tests/test_vllm_tier.py"
     # every test target fetches the real tokenizers into their cache first (once per make)
     tokenizers = "python3 -m recipe_hacpo.real_tokenizers"
