@@ -452,17 +452,39 @@ def _shm() -> set[str]:
     return set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
 
 
-def _shm_in_use() -> set[str]:
-    """Names under /dev/shm that a live process has mapped or open."""
-    used = set()
+def _other_workers_processes() -> set[int]:
+    """The other pytest-xdist workers of this run (this worker's siblings) and every process they
+    started: whose shared memory is theirs while their tests run. Empty without xdist."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return set()
+    children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
-            with open(f"/proc/{entry}/maps") as f:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found = set()
+    todo = [pid for pid in children.get(os.getppid(), []) if pid != os.getpid()]
+    while todo:
+        pid = todo.pop()
+        found.add(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def _shm_held_by(pids: set[int]) -> set[str]:
+    """Names under /dev/shm that one of `pids` has mapped or open."""
+    used = set()
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/maps") as f:
                 used.update(line.split("/dev/shm/", 1)[1].split()[0] for line in f if "/dev/shm/" in line)
-            for fd in os.listdir(f"/proc/{entry}/fd"):
-                target = os.readlink(f"/proc/{entry}/fd/{fd}")
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
                 if target.startswith("/dev/shm/"):
                     used.add(target[len("/dev/shm/"):].split()[0])
         except OSError:
@@ -471,13 +493,13 @@ def _shm_in_use() -> set[str]:
 
 
 def _shm_left_behind(before: set[str]) -> set[str]:
-    """Segments made since `before` that no live process holds: what an ended run left behind.
-    (Another test's run on the other xdist worker holds the segments it made while it runs; a
-    segment made between the two reads below is given a second look.)"""
-    left = _shm() - before - _shm_in_use()
+    """Segments made since `before` that the test on the other xdist worker does not hold: what
+    the ended run left behind. (Without xdist: every segment made since `before`. A segment the
+    other worker made between the two reads below is given a second look.)"""
+    left = _shm() - before - _shm_held_by(_other_workers_processes())
     if left:
         time.sleep(1)
-        left &= _shm() - _shm_in_use()
+        left &= _shm() - _shm_held_by(_other_workers_processes())
     return left
 
 
