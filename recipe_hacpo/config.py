@@ -16,6 +16,7 @@ from recipe_hacpo.agent_spec import AgentSpec
 from recipe_hacpo.hacpo_settings import ConfigError, HacpoSettings
 from recipe_hacpo.placement import master_port_ranges
 from recipe_hacpo.rollout_check import RolloutCheck
+from recipe_hacpo.workers import sample_tape
 
 __all__ = ["AgentSpec", "ConfigError", "HacpoSettings", "agent_specs", "agent_verl_config", "hacpo_settings", "validate"]
 
@@ -99,6 +100,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
 
     master_port_ranges(cfg.trainer.master_port_range, [s.name for s in specs])  # one line if unusable
     _validate_rollout_check(cfg, specs)
+    _validate_sample_tapes(cfg, specs, check_paths)
     from recipe_hacpo.exchange_jobs import exchange_workers
 
     exchange_workers(cfg.trainer.get("exchange_workers"), len(specs))  # one line if not a thread count
@@ -130,6 +132,28 @@ def _validate_rollout_check(cfg: DictConfig, specs: list[AgentSpec]) -> None:
                 f"trainer.rollout_check.action={check.action} compares the engine's log-probs with the trainer's "
                 "every step; set it true (or the action to off)"
             )
+
+
+def _validate_sample_tapes(cfg: DictConfig, specs: list[AgentSpec], check_paths: bool) -> None:
+    """`trainer.record_samples_dir` / `trainer.replay_samples_dir` (workers/sample_tape.py)."""
+    keys = [k for k in ("record_samples_dir", "replay_samples_dir") if cfg.trainer.get(k)]
+    for key in keys:
+        for s in specs:
+            rollout = s.section(cfg, "rollout")
+            if str(rollout.get("name")) != "hf" or not bool(rollout.get("full_determinism", False)):
+                raise ConfigError(
+                    f"trainer.{key} ({s.name}): sample tapes need actor_rollout_ref.rollout.name=hf and "
+                    f"rollout.full_determinism=true (the request seed finds a sample); this agent has "
+                    f"name={rollout.get('name')}, full_determinism={rollout.get('full_determinism', False)}"
+                )
+    if check_paths and "replay_samples_dir" in keys:
+        root = str(cfg.trainer.replay_samples_dir)
+        for s in specs:
+            if not sample_tape.tape_files(os.path.join(root, s.name)):
+                raise ConfigError(
+                    f"trainer.replay_samples_dir={root!r} ({s.name}): no {sample_tape.TAPE_SUFFIX} tape in "
+                    f"{os.path.join(root, s.name)}; record one with trainer.record_samples_dir"
+                )
 
 
 def _validate_lora(cfg: DictConfig, specs: list[AgentSpec]) -> None:
@@ -397,7 +421,12 @@ def agent_verl_config(cfg: DictConfig, spec: AgentSpec) -> DictConfig:
         if not spec.uses_shared_pool:
             agent_cfg.trainer.n_gpus_per_node = spec.n_gpus_per_node
             agent_cfg.trainer.nnodes = spec.nnodes
-        arr.rollout.custom = OmegaConf.merge(arr.rollout.get("custom") or {}, {"agent_name": spec.name})
+        custom = {"agent_name": spec.name}
+        for key, tape_key in (("record_samples_dir", sample_tape.RECORD_KEY),
+                              ("replay_samples_dir", sample_tape.REPLAY_KEY)):
+            if cfg.trainer.get(key):
+                custom[tape_key] = os.path.join(os.path.abspath(str(cfg.trainer[key])), spec.name)
+        arr.rollout.custom = OmegaConf.merge(arr.rollout.get("custom") or {}, custom)
         agent_cfg.trainer.experiment_name = f"{cfg.trainer.experiment_name}/{spec.name}"
         agent_cfg.pop("agents", None)
     return agent_cfg

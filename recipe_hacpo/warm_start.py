@@ -15,9 +15,11 @@ A directory whose record matches the arguments is reused as is.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -47,6 +49,11 @@ class WarmStartArgs:
     n_eval: int = 1024
     eval_seed: int = 0
     init: str = ""  # continue from this warmed agent directory instead of the kind's random init
+    # True: of the token embedding (and a tied output layer) only the rows of the tokens the task's
+    # sequences use are trained; every other row keeps its seeded random init. A warm start of a
+    # 128k-152k-id agent then differs from its init in ~100k numbers (`save_trained_state`), which
+    # a repository can keep instead of the whole model.
+    task_rows_only: bool = False
 
 
 # --------------------------------------------------------------------------- data
@@ -203,6 +210,13 @@ def warm_start(args: WarmStartArgs, out: str, *, log_every: int = 100, verbose: 
     prompts, answers = encode_rows(tokenizer, train_rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
+    if args.task_rows_only:
+        used = torch.zeros(model.get_input_embeddings().weight.shape[0], 1)
+        used[sorted({t for seq in (*prompts, *answers) for t in seq} | {pad})] = 1.0
+        embeddings = (model.get_input_embeddings().weight, model.get_output_embeddings().weight)
+        for weight in {id(w): w for w in embeddings}.values():
+            # a zero gradient leaves Adam's moments at zero: the row does not move
+            weight.register_hook(lambda grad: grad * used)
     optim = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
     gen = torch.Generator().manual_seed(args.seed)
     order = torch.randperm(len(prompts), generator=gen).tolist()
@@ -245,6 +259,76 @@ def warm_start(args: WarmStartArgs, out: str, *, log_every: int = 100, verbose: 
         with open(os.path.join(tmp, RECORD_FILE), "w") as f:
             json.dump(record, f, indent=2)
         replace_dir(tmp, out)
+    return record
+
+
+# --------------------------------------------------------------------------- a warm start kept as a state
+_ROWS = ".rows"  # the row indices of a tensor kept by its changed rows only
+
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        digest.update(name.encode())
+        digest.update(tensors[name].contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def save_trained_state(agent_dir: str, path: str) -> None:
+    """What the warm start in `agent_dir` changed in its kind's seeded init, as one safetensors
+    file: each tensor whole, or by its changed rows when fewer than half changed (a
+    `task_rows_only` embedding). Why: training is chaotic enough that the last-bit differences of
+    two CPUs' kernels grow into other weights within a hundred steps, while the seeded init is
+    the same everywhere; `restore_trained_state` rebuilds these exact bits on any machine."""
+    from safetensors.torch import load_file, save_file
+
+    record = load_record(agent_dir)
+    if not record or record.get("init"):
+        raise ValueError(f"{agent_dir}: not a warm start from a seeded init (no {RECORD_FILE}, or continued from another)")
+    with tempfile.TemporaryDirectory() as tmp:
+        init = load_file(os.path.join(tiny_agents.build_agent(tmp, record["kind"], record["seed"]), "model.safetensors"))
+    state = {}
+    for name, tensor in load_file(os.path.join(agent_dir, "model.safetensors")).items():
+        changed = (tensor != init[name]).reshape(len(tensor), -1).any(1).nonzero().flatten() if tensor.dim() >= 2 else None
+        if changed is not None and len(changed) < len(tensor) // 2:
+            state[name], state[name + _ROWS] = tensor[changed].contiguous(), changed
+        else:
+            state[name] = tensor
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    save_file(state, path, metadata={"record": json.dumps(record), "init": _digest(init)})
+
+
+def restore_trained_state(path: str, out: str) -> dict:
+    """The warm-started agent of `save_trained_state`'s file, rebuilt in `out`; returns its record.
+    Fails when the seeded init built here is not the one the state was taken over."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(path, "pt") as f:
+        meta = f.metadata()
+        state = {name: f.get_tensor(name) for name in f.keys()}
+    record = json.loads(meta["record"])
+    parent = os.path.dirname(os.path.abspath(out)) or "."
+    os.makedirs(parent, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp, staging_dir(parent, prefix=".warm.") as staged:
+        base = tiny_agents.build_agent(tmp, record["kind"], record["seed"])
+        weights = load_file(os.path.join(base, "model.safetensors"))
+        if _digest(weights) != meta["init"]:
+            raise ValueError(f"{path}: the seeded init of {record['kind']} built here differs from the one the state was taken over")
+        for name, tensor in state.items():
+            if name.endswith(_ROWS):
+                continue
+            if name + _ROWS in state:
+                weights[name][state[name + _ROWS]] = tensor
+            else:
+                weights[name] = tensor
+        for entry in os.listdir(base):
+            if entry not in ("model.safetensors", tiny_agents.SPEC_FILE):
+                shutil.copy2(os.path.join(base, entry), staged)
+        save_file(weights, os.path.join(staged, "model.safetensors"), metadata={"format": "pt"})
+        with open(os.path.join(staged, RECORD_FILE), "w") as f:
+            json.dump(record, f, indent=2)
+        replace_dir(staged, out)
     return record
 
 

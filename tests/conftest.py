@@ -5,8 +5,30 @@ from __future__ import annotations
 
 import pytest
 
+from pathlib import Path
+
 from helpers.built_once import built_once
 from recipe_hacpo import tiny_agents
+
+# The warm starts of `warm_agent_paths` and `warm_real_agent_paths`, kept as states over their
+# seeded inits (recipe_hacpo.warm_start.save_trained_state): training them here would give other
+# weights on another CPU kind (measured under ATEN_CPU_CAPABILITY=avx2: the tiny agents' weights
+# 1e-4 apart relative after 40 steps, the real-tokenizer agents' 0.5 apart after 100), and the
+# golden runs that start from them must start from the same bits everywhere. A missing file is
+# made by training (delete one to re-make it after changing its arguments).
+WARM_STATES = Path(__file__).resolve().parent / "fixtures" / "warm_agents"
+
+
+def warm_agent(args, out: str) -> None:
+    """The agent `warm_start(args, out)` makes, rebuilt from its kept state."""
+    from recipe_hacpo.warm_start import reusable, restore_trained_state, save_trained_state, warm_start
+
+    state = WARM_STATES / f"{args.kind}.safetensors"
+    if not state.exists():
+        warm_start(args, out, verbose=False)
+        save_trained_state(out, str(state))
+    restore_trained_state(str(state), out)
+    assert reusable(args, out), f"{state} was made with other warm-start arguments than {args}; delete it to re-make it"
 
 
 @pytest.fixture(scope="session")
@@ -34,17 +56,13 @@ def warm_agent_paths(tmp_path_factory) -> dict[str, str]:
     Random-init agents almost never answer correctly, so every group's rewards are equal and
     RL has nothing to learn from; a short supervised start gives them a mixed success rate.
     """
-    from recipe_hacpo.warm_start import WarmStartArgs, warm_start
+    from recipe_hacpo.warm_start import WarmStartArgs
 
     def build(root) -> dict[str, str]:
         paths = {}
         for kind in tiny_agents.DEFAULT_KINDS:
             out = str(root / kind)
-            warm_start(
-                WarmStartArgs(kind=kind, task="add1", steps=40, n_train=2000, n_eval=200, batch_size=64),
-                out,
-                verbose=False,
-            )
+            warm_agent(WarmStartArgs(kind=kind, task="add1", steps=40, n_train=2000, n_eval=200, batch_size=64), out)
             paths[kind] = out
         return paths
 
@@ -61,7 +79,7 @@ def hacpo_pair_reference(tmp_path_factory, warm_agent_paths) -> tuple[str, dict[
 
     def build(root) -> tuple[str, dict[int, dict]]:
         records = run_main(str(root), agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS) + HACPO_PAIR_RUN
-                           + ["trainer.save_freq=1"])
+                           + ["trainer.save_freq=1", f"trainer.record_samples_dir={root}/samples"])
         return str(root), train_steps(records)
 
     return built_once(tmp_path_factory, "hacpo_pair_reference", build)
@@ -77,20 +95,18 @@ def warm_real_agent_paths(tmp_path_factory) -> dict[str, str]:
     Qwen3 / Llama-3 tokenizers) briefly trained on single-digit addition, as `warm_agent_paths`.
 
     Their 128k-152k-id output layers learn slower than the tiny tokenizers' few hundred ids:
-    100 steps at lr 1e-2 (not 40 at 2e-3, which leaves Llama-3.2 at 0 % greedy accuracy) give a
-    held-out greedy accuracy of 31 % (Qwen3) and 21 % (Llama-3.2) on 200 prompts, so that groups
+    100 steps at lr 1e-2 (not 40 at 2e-3, which leaves Llama-3.2 at 0 % greedy accuracy), of the
+    embeddings only the rows of the task's tokens (so that the kept state is small), give a
+    held-out greedy accuracy of 21 % (Qwen3) and 40 % (Llama-3.2) on 200 prompts, so that groups
     get mixed rewards."""
-    from recipe_hacpo.warm_start import WarmStartArgs, warm_start
+    from recipe_hacpo.warm_start import WarmStartArgs
 
     def build(root) -> dict[str, str]:
         paths = {}
         for kind in REAL_PAIR:
             out = str(root / kind)
-            warm_start(
-                WarmStartArgs(kind=kind, task="add1", steps=100, lr=1e-2, n_train=2000, n_eval=200, batch_size=64),
-                out,
-                verbose=False,
-            )
+            warm_agent(WarmStartArgs(kind=kind, task="add1", steps=100, lr=1e-2, n_train=2000, n_eval=200,
+                                     batch_size=64, task_rows_only=True), out)
             paths[kind] = out
         return paths
 

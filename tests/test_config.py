@@ -30,6 +30,19 @@ def test_demo_preset_validates_and_builds_agent_configs(demo_overrides):
     assert "agents" not in agent
 
 
+def test_sample_tape_folders_reach_each_agents_rollout_as_its_own(demo_overrides, tmp_path):
+    for name in ("qwen_char", "llama_pair"):
+        (tmp_path / "tapes" / name).mkdir(parents=True)
+        (tmp_path / "tapes" / name / "tape.jsonl").write_text('{"seed": 1, "tokens": [2]}\n')
+    cfg = _compose("hacpo_cpu_demo", demo_overrides + [f"trainer.replay_samples_dir={tmp_path}/tapes",
+                                                       "trainer.record_samples_dir=rel/out"])
+    specs, _ = validate(cfg)
+    custom = agent_verl_config(cfg, specs[1]).actor_rollout_ref.rollout.custom
+    assert custom.replay_samples == f"{tmp_path}/tapes/llama_pair"
+    assert custom.record_samples == os.path.join(os.path.abspath("rel/out"), "llama_pair")
+    assert "replay_samples" not in agent_verl_config(_compose("hacpo_cpu_demo", demo_overrides), specs[1]).actor_rollout_ref.rollout.custom
+
+
 def test_agent_override_merges_into_template(demo_overrides):
     cfg = _compose("hacpo_cpu_demo", demo_overrides + ["+agents.1.actor_rollout_ref.actor.optim.lr=0.5"])
     specs, _ = validate(cfg)
@@ -66,6 +79,10 @@ def test_naive_settings_imply_plain_baseline():
          r"actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=5 does not divide the 32 rows of one mini-batch per GPU"),
         (["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"],
          r"log_prob_micro_batch_size_per_gpu=3 does not divide the 32 own responses per GPU"),
+        (["trainer.replay_samples_dir=/nonexistent/tapes"],
+         r"trainer\.replay_samples_dir='/nonexistent/tapes' \(qwen_char\): no \.jsonl tape in /nonexistent/tapes/qwen_char"),
+        (["trainer.record_samples_dir=/tmp/tapes", "actor_rollout_ref.rollout.full_determinism=false"],
+         r"trainer\.record_samples_dir \(qwen_char\): sample tapes need .*full_determinism=true"),
     ],
 )
 def test_bad_configs_fail_with_one_line(demo_overrides, extra, message):

@@ -212,6 +212,74 @@ def test_seeded_rows_sample_the_same_alone_or_batched(tiny_model_path, reference
         assert torch.allclose(torch.tensor(out.log_probs), expected, atol=1e-5)
 
 
+def test_a_recorded_sample_tape_is_replayed_token_for_token_under_other_weights(tiny_model_path, reference, tmp_path):
+    """`rollout.custom.record_samples` writes each sampled request's tokens by its seed;
+    `replay_samples` makes an engine whose logits differ (here: perturbed weights, as another
+    machine's kernels would) generate exactly those tokens, with its own model's log-probs of
+    them. A seed the tape lacks, or a generation that runs past its tape line, fails in one line
+    naming the agent and the seed; greedy requests are not recorded."""
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_engine import HFEngine
+    from recipe_hacpo.workers.hf_cpu_rollout.hf_sampling import parse_sampling
+    from recipe_hacpo.workers.sample_tape import TapeMismatch, read_tape, write_tape
+
+    model, tok = reference
+    prompts = [_chat_ids(tok, t) for t in ("1+1=", "2+2=", "3+3=", "1+1=")]
+    seeds = [11, 22, 33, 44]
+    recorded_dir = tmp_path / "rec" / "a"
+    cfg = _rollout_config(max_model_len=128, custom={"agent_name": "a", "record_samples": str(recorded_dir)})
+    recorder = HFEngine(cfg, _model_config(tiny_model_path), seed=0)
+    sampling = parse_sampling({"temperature": 1.0, "top_k": -1, "logprobs": True, "max_tokens": 12}, cfg, 40)
+    recorded = recorder.generate(prompts, sampling, seeds)
+    recorder.generate(prompts[:1], parse_sampling({"temperature": 0.0, "max_tokens": 4}, cfg, 40), [5])  # greedy
+    tape = read_tape(recorded_dir)
+    assert tape == {s: r.token_ids for s, r in zip(seeds, recorded)}
+
+    def replayer(tape_dir):
+        engine = HFEngine(_rollout_config(max_model_len=128, custom={"agent_name": "a", "replay_samples": str(tape_dir)}),
+                          _model_config(tiny_model_path), seed=0)
+        torch.manual_seed(7)
+        with torch.no_grad():
+            for p in engine.model.parameters():
+                p.add_(0.5 * torch.randn_like(p) * p.std())
+        return engine
+
+    other = replayer(recorded_dir)
+    free = HFEngine(cfg, _model_config(tiny_model_path), seed=0)
+    free.model.load_state_dict(other.model.state_dict())
+    free.tape_recorder = None
+    # not vacuous: these weights, left to sample, draw other tokens for some request
+    assert [r.token_ids for r in free.generate(prompts, sampling, seeds)] != [r.token_ids for r in recorded]
+    replayed = other.generate(prompts, sampling, seeds)
+    assert [r.token_ids for r in replayed] == [r.token_ids for r in recorded]
+    assert [r.finished for r in replayed] == [r.finished for r in recorded]
+    for prompt, out in zip(prompts, replayed):
+        expected = _reference_token_scores(other.model, prompt, out.token_ids, temperature=1.0)
+        assert torch.allclose(torch.tensor(out.log_probs), expected, atol=1e-5)
+
+    with pytest.raises(TapeMismatch, match=r"^a: no recorded sample for request seed 99 \(1 of 2 requests\)"):
+        other.generate(prompts[:2], sampling, [11, 99])
+    # a tape line that ends before the generation does (no EOS, budget left)
+    short = {s: t[:2] if s == 22 else t for s, t in tape.items()}
+    assert not any(t in recorder.eos_token_ids for t in short[22])
+    write_tape(short, tmp_path / "short" / "a" / "tape.jsonl")
+    with pytest.raises(TapeMismatch, match=r"^a: request seed 22 generated \d+ tokens where the tape .* holds 2"):
+        replayer(tmp_path / "short" / "a").generate(prompts, sampling, seeds)
+
+
+def test_sample_tape_files_reject_bad_lines_and_conflicting_seeds(tmp_path):
+    from recipe_hacpo.workers.sample_tape import read_tape
+
+    (tmp_path / "a.jsonl").write_text('{"seed": 1, "tokens": [3, 4]}\n\n{"seed": 2, "tokens": []}\n')
+    (tmp_path / "b.jsonl").write_text('{"seed": 1, "tokens": [3, 4]}\n')  # a step generated again: same tokens
+    assert read_tape(tmp_path) == {1: [3, 4], 2: []}
+    (tmp_path / "c.jsonl").write_text('{"seed": 1, "tokens": [3, 5]}\n')
+    with pytest.raises(ValueError, match=r"c.jsonl:1: seed 1 recorded twice with different tokens"):
+        read_tape(tmp_path)
+    (tmp_path / "c.jsonl").write_text('{"seed": 1}\n')
+    with pytest.raises(ValueError, match=r"c.jsonl:1: not a tape line"):
+        read_tape(tmp_path)
+
+
 def test_seeded_row_sampler_draws_from_the_warped_distribution(tiny_model_path, reference):
     """First-token frequencies over 4000 seeds match softmax(top-k(logits) / T)."""
     from recipe_hacpo.workers.hf_cpu_rollout.hf_engine import HFEngine

@@ -11,7 +11,7 @@ import os
 
 import pytest
 from helpers.e2e import agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
-from helpers.golden import check_golden
+from helpers.golden import check_golden, golden_run_overrides
 
 from recipe_hacpo import batch_keys as K
 
@@ -42,10 +42,11 @@ def test_three_agents_with_kl_to_reference_on_grafts_selected_prompts(tmp_path, 
            "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
            # without GRAFT's balancing, so that these tiny agents' two steps select some prompts
            "algorithm.hacpo.share_selection=complementary", "algorithm.hacpo.graft_balance=false",
-           f"trainer.learner_batch_dir={tmp_path}/batches"],
+           f"trainer.learner_batch_dir={tmp_path}/batches"]
+        + golden_run_overrides("hacpo_complementary_three_agents_kl", str(tmp_path)),
     )
     steps = train_steps(records)
-    check_golden("hacpo_complementary_three_agents_kl", steps)
+    check_golden("hacpo_complementary_three_agents_kl", steps, tmp_path / "samples")
     names = ["qwen_char", "qwen3", "llama3"]
     assert_finite_losses(steps, names)
     for name in names:
@@ -77,10 +78,11 @@ def test_isolated_mode_shares_nothing(tmp_path, warm_agent_paths):
         str(tmp_path),
         agent_overrides(warm_agent_paths, kinds)
         + ["algorithm.hacpo.mode=isolated", "trainer.total_training_steps=2", "trainer.save_freq=2",
-           "trainer.test_freq=-1", "trainer.val_before_train=false"],
+           "trainer.test_freq=-1", "trainer.val_before_train=false"]
+        + golden_run_overrides("isolated", str(tmp_path)),
     )
     steps = train_steps(records)
-    check_golden("isolated", steps)
+    check_golden("isolated", steps, tmp_path / "samples")
     names = ["qwen_char", "llama_pair"]
     assert_finite_losses(steps, names)
     for name in names:
@@ -98,10 +100,11 @@ def test_naive_sharing_with_agents_sharing_one_pool_taking_turns(tmp_path, warm_
         agent_overrides(warm_agent_paths, kinds)
         + ["algorithm.hacpo.mode=naive", "agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0",
            "trainer.n_gpus_per_node=1", "ray_kwargs.ray_init.num_gpus=1", "trainer.total_training_steps=2",
-           "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false"],
+           "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false"]
+        + golden_run_overrides("naive_shared_pool", str(tmp_path)),
     )
     steps = train_steps(records)
-    check_golden("naive_shared_pool", steps)
+    check_golden("naive_shared_pool", steps, tmp_path / "samples")
     names = ["qwen_char", "llama_pair"]
     assert_finite_losses(steps, names)
     for kind, name in zip(kinds, names):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import REAL_PAIR
-from helpers.golden import check_golden
+from helpers.golden import check_golden, golden_run_overrides
 from helpers.e2e import REPO, agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
 
 from recipe_hacpo import batch_keys as K
@@ -38,9 +38,10 @@ def graft_run(tmp_path_factory, warm_real_agent_paths):
         agent_overrides(warm_real_agent_paths, kinds) + GRAFT
         + ["algorithm.hacpo.graft_balance=false", "trainer.total_training_steps=2", "trainer.save_freq=1",
            "trainer.test_freq=-1", "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches",
-           f"trainer.record_rollouts_dir={out}/recorded"],
+           f"trainer.record_rollouts_dir={out}/recorded"]
+        + golden_run_overrides("graft_pair", out),
     )
-    check_golden("graft_pair", train_steps(records))
+    check_golden("graft_pair", train_steps(records), f"{out}/samples")
     return out, records, kinds
 
 
@@ -165,11 +166,11 @@ def test_replay_of_a_recorded_peer_trains_one_agent_alone(graft_run, tmp_path, w
         *agent_overrides(warm_real_agent_paths, [kinds[receiver]]), *GRAFT, f"algorithm.hacpo.replay_peer={peer_dir}",
         "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1",
         "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches",
-        f"trainer.record_rollouts_dir={out}/own"]))
+        f"trainer.record_rollouts_dir={out}/own", *golden_run_overrides("graft_replay", out)]))
     name = names[receiver]
     assert sorted(steps) == [1, 2]
     assert_finite_losses(steps, [name])
-    check_golden("graft_replay", steps)
+    check_golden("graft_replay", steps, f"{out}/samples")
     grafted = 0
     for step in (1, 2):
         m = steps[step]
@@ -215,12 +216,13 @@ def test_graft_three_agents(tmp_path, warm_agent_paths):
         str(tmp_path),
         agent_overrides(warm_agent_paths, kinds) + GRAFT
         + ["trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1",
-           "trainer.val_before_train=false"],
+           "trainer.val_before_train=false"]
+        + golden_run_overrides("graft_three_agents", str(tmp_path)),
     )
     steps = train_steps(records)
     names = ["qwen_char", "qwen_mid", "llama_pair"]
     assert_finite_losses(steps, names)
-    check_golden("graft_three_agents", steps)
+    check_golden("graft_three_agents", steps, tmp_path / "samples")
     for step, m in steps.items():
         received = sum(m[f"agent/{n}/graft/groups_received"] for n in names)
         # with balancing and one source per receiver and prompt, every group given is received once
@@ -246,10 +248,11 @@ def test_sgt_two_agents_imitate_the_drawn_correct_peer_response(tmp_path, warm_r
            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=10",
            f"actor_rollout_ref.actor.data_loader_seed={seed}",
            "trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1",
-           "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches"],
+           "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches"]
+        + golden_run_overrides("sgt_pair", out),
     )
     steps = train_steps(records)
-    check_golden("sgt_pair", steps)
+    check_golden("sgt_pair", steps, f"{out}/samples")
     assert sorted(steps) == [1, 2]
     assert_finite_losses(steps, names)
     imitated_somewhere = 0

@@ -767,7 +767,7 @@ def test_e2e_killed_mid_checkpoint_and_worker_lost_mid_update_then_resumed_runs_
     # the same run uninterrupted (conftest.py: these agents and settings, every step saved)
     reference, reference_steps = hacpo_pair_reference
     # plain HACPO on two agents (the CPU demo's settings): its golden metrics
-    check_golden("hacpo_pair", reference_steps)
+    check_golden("hacpo_pair", reference_steps, f"{reference}/samples")
     expected = {step: training_metrics(data) for step, data in reference_steps.items()}
     assert sorted(expected) == [1, 2, 3]
     # the comparison has teeth: the agents' rewards and losses move from step to step

@@ -134,3 +134,43 @@ def test_cli_prints_held_out_accuracy(tmp_path):
     again = subprocess.run(proc.args, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     assert "reused as is (its 3 steps took " in again.stdout and "held-out accuracy" in again.stdout, again.stdout
+
+
+def test_a_task_rows_only_warm_start_is_kept_as_a_small_state_and_restored_bit_for_bit(tmp_path):
+    """The real-tokenizer agents the golden runs train: only the task's embedding rows move, and
+    the state over the seeded init rebuilds the same bits; a state over another init is refused."""
+    from safetensors import safe_open
+
+    from recipe_hacpo import tiny_agents
+
+    args = ws.WarmStartArgs(kind="qwen3-tied", task="add1", steps=3, lr=1e-2, batch_size=8, n_train=64, n_eval=8,
+                            task_rows_only=True)
+    trained = str(tmp_path / "trained")
+    record = ws.warm_start(args, trained, verbose=False)
+    init = load_file(os.path.join(tiny_agents.build_agent(str(tmp_path / "init"), "qwen3-tied", 0), "model.safetensors"))
+    weights = load_file(os.path.join(trained, "model.safetensors"))
+    embedding = "model.embed_tokens.weight"
+    moved = (weights[embedding] != init[embedding]).any(1)
+    assert 0 < int(moved.sum()) < 64  # the task's few rows of 151k
+    assert all(not torch.equal(weights[k], init[k]) for k in weights if k.endswith("q_proj.weight"))
+
+    state = str(tmp_path / "state.safetensors")
+    ws.save_trained_state(trained, state)
+    assert os.path.getsize(state) < os.path.getsize(os.path.join(trained, "model.safetensors")) / 50
+    with safe_open(state, "pt") as f:
+        assert f.get_tensor(embedding + ".rows").tolist() == moved.nonzero().flatten().tolist()
+    restored = str(tmp_path / "restored")
+    assert ws.restore_trained_state(state, restored) == record
+    assert ws.reusable(args, restored) == record
+    again = load_file(os.path.join(restored, "model.safetensors"))
+    assert sorted(again) == sorted(weights) and all(torch.equal(again[k], weights[k]) for k in weights)
+    model = AutoModelForCausalLM.from_pretrained(restored)
+    assert model.config.tie_word_embeddings and AutoTokenizer.from_pretrained(restored).eos_token_id is not None
+
+    from safetensors.torch import save_file
+
+    with safe_open(state, "pt") as f:
+        tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, dict(f.metadata())
+    save_file(tensors, state, metadata={**meta, "init": "0" * 32})
+    with pytest.raises(ValueError, match="the seeded init of qwen3-tied built here differs"):
+        ws.restore_trained_state(state, str(tmp_path / "other"))

@@ -35,9 +35,13 @@ class SeededRowSampler:
     therefore a function of its own prompt, weights and seed, whatever else is batched
     with it. The warpers are HF's own, in the order HF applies them when sampling.
     `warped` keeps the noise-free scores of every step (for `processed_logprobs`).
+
+    `forced` (a replayed sample tape, `sample_tape.TapeReplay`): row i takes token forced[i][t]
+    at decode step t instead of a draw; `warped` still holds this model's own scores, so the
+    engine's log-probs are those of the replayed tokens under this model.
     """
 
-    def __init__(self, sampling: Sampling, seeds: list[int]):
+    def __init__(self, sampling: Sampling, seeds: list[int], forced: list[list[int]] | None = None):
         from transformers.generation.logits_process import (
             MinPLogitsWarper,
             TemperatureLogitsWarper,
@@ -55,12 +59,15 @@ class SeededRowSampler:
         if sampling.min_p is not None:
             self.warpers.append(MinPLogitsWarper(min_p=sampling.min_p))
         self.generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+        self.forced = forced
         self.warped: list[torch.Tensor] = []
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         for warper in self.warpers:
             scores = warper(input_ids, scores)
         self.warped.append(scores)
+        if self.forced is not None:
+            return self._force(len(self.warped) - 1, scores)
         log_probs = torch.log_softmax(scores.float(), dim=-1)
         tiny = torch.finfo(torch.float32).tiny
         uniform = torch.stack(
@@ -68,3 +75,11 @@ class SeededRowSampler:
         ).to(log_probs.device)
         return log_probs - torch.log(-torch.log(uniform))
 
+
+    def _force(self, step: int, scores: torch.Tensor) -> torch.Tensor:
+        """Scores whose argmax is each row's tape token at `step`. A row past the end of its tape
+        has finished (EOS or the token budget) and is padded by HF whatever it is given here."""
+        out = torch.full(scores.shape, float("-inf"), dtype=torch.float32, device=scores.device)
+        for row, tokens in enumerate(self.forced):
+            out[row, tokens[step] if step < len(tokens) else 0] = 0.0
+        return out

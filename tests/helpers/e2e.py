@@ -14,6 +14,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from helpers.golden import replay_overrides
+
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.core_algos import compute_hacpo_advantage
 
@@ -38,10 +40,12 @@ def run_main(out_dir: str, overrides: list[str], timeout: int = 900, env: dict |
 
 
 # the CPU demo's pair and the settings of its uninterrupted 3-step run (conftest.py's
-# `hacpo_pair_reference`), which the kill-and-resume tests reproduce piece by piece
+# `hacpo_pair_reference`), which the kill-and-resume tests reproduce piece by piece; on a machine of
+# another kind than the one that recorded its golden metrics, every one of these runs replays the
+# recorded samples (tests/helpers/golden.py)
 HACPO_PAIR_KINDS = ["qwen2-char-small", "llama-pair-medium"]
 HACPO_PAIR_RUN = ["trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
-                  "trainer.resume_mode=auto"]
+                  "trainer.resume_mode=auto", *replay_overrides("hacpo_pair")]
 
 
 def agent_overrides(paths: dict[str, str], kinds: list[str]) -> list[str]:

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Iterable
 
 import torch
+from recipe_hacpo.workers import sample_tape
 from recipe_hacpo.workers.hf_cpu_rollout.hf_sampling import Sampling
 from recipe_hacpo.workers.seeded_sampling import SeededRowSampler
 from recipe_hacpo.workers.vocab_tail import ban_vocab_tail
@@ -80,6 +81,12 @@ class HFEngine:
         )
         self.eos_token_ids = _eos_ids(model_config)
 
+        # sample tapes (workers/sample_tape.py): this agent's folders, set from trainer keys
+        custom = dict(config.custom or {})
+        record, replay = custom.get(sample_tape.RECORD_KEY), custom.get(sample_tape.REPLAY_KEY)
+        self.tape_recorder = sample_tape.TapeRecorder(record) if record else None
+        self.tape_replay = sample_tape.TapeReplay(replay, str(custom.get("agent_name", "agent"))) if replay else None
+
         # Every (alias) state-dict name -> live tensor; tied weights share one tensor.
         self._targets = dict(self.model.state_dict(keep_vars=True))
         self._received: set[int] = set()
@@ -106,7 +113,8 @@ class HFEngine:
         if sampling.do_sample and seeds is not None and any(s is not None for s in seeds):
             # rows without a seed of their own draw one from the global RNG
             seeds = [int(torch.randint(2**62, ())) if s is None else s for s in seeds]
-            row_sampler = SeededRowSampler(sampling, seeds)
+            forced = self.tape_replay.tokens_for(seeds) if self.tape_replay is not None else None
+            row_sampler = SeededRowSampler(sampling, seeds, forced)
         # As in vLLM, ignore_eos drops the model's EOS but explicit stop_token_ids still stop.
         model_eos = [] if sampling.ignore_eos else self.eos_token_ids
         eos = list(dict.fromkeys(model_eos + list(sampling.stop_token_ids)))
@@ -174,6 +182,12 @@ class HFEngine:
                     finished=finished,
                 )
             )
+        if row_sampler is not None:
+            generated = [r.token_ids for r in results]
+            if self.tape_replay is not None:
+                self.tape_replay.check_generated(seeds, generated)
+            if self.tape_recorder is not None:
+                self.tape_recorder.append(seeds, generated)
         return results
 
     def _token_scores(self, steps: tuple[torch.Tensor, ...], tokens: torch.Tensor) -> torch.Tensor:
