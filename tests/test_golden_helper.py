@@ -112,3 +112,18 @@ def test_a_run_whose_samples_differ_from_the_tape_fails_on_every_machine(tmp_pat
         golden.check_golden("run", _steps(), _tape(tmp_path / "seed", other_seed), golden_dir=tmp_path)
     with pytest.raises(AssertionError, match="tapes of agents"):
         golden.check_golden("run", _steps(), _tape(tmp_path / "agents", {"a": TAPE["a"]}), golden_dir=tmp_path)
+
+
+def test_a_difference_of_log_probs_has_the_noise_floor_of_a_large_vocabulary_log_softmax(tmp_path):
+    """ppo_kl and the engine/trainer differences may move 5e-5 on another machine (a 152k-id
+    fp32 log-softmax is exact to ~1e-5); any other small value keeps the 1e-5 floor."""
+    (tmp_path / "run.json").write_text(json.dumps({golden.MACHINE_KEY: "another machine", "1": {
+        "agent/a/actor/ppo_kl": 0.007472, "agent/a/rollout/log_prob_diff_max": 1e-6, "agent/a/actor/pg_loss": 0.00054}}))
+    golden.check_golden("run", {1: {"agent/a/actor/ppo_kl": 0.007457, "agent/a/rollout/log_prob_diff_max": 4e-5,
+                                    "agent/a/actor/pg_loss": 0.00054}}, golden_dir=tmp_path)
+    with pytest.raises(AssertionError, match="pg_loss"):
+        golden.check_golden("run", {1: {"agent/a/actor/ppo_kl": 0.007472, "agent/a/rollout/log_prob_diff_max": 1e-6,
+                                        "agent/a/actor/pg_loss": 0.00052}}, golden_dir=tmp_path)
+    with pytest.raises(AssertionError, match="ppo_kl"):
+        golden.check_golden("run", {1: {"agent/a/actor/ppo_kl": 0.0074, "agent/a/rollout/log_prob_diff_max": 1e-6,
+                                        "agent/a/actor/pg_loss": 0.00054}}, golden_dir=tmp_path)
