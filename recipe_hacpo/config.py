@@ -88,6 +88,12 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     reward_timeout = float(cfg.trainer.reward_timeout_s)  # default in hacpo_base.yaml
     if not reward_timeout > 0:
         raise ConfigError(f"trainer.reward_timeout_s={reward_timeout}: must be > 0 (seconds one reward call may take)")
+    keep = cfg.trainer.get("max_actor_ckpt_to_keep")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ConfigError(
+            f"trainer.max_actor_ckpt_to_keep={keep!r}: the number of newest joint checkpoints kept, >= 1 "
+            "(null keeps every checkpoint)"
+        )
     if hacpo.shares and len(specs) < 2 and hacpo.replay_peer is None:
         raise ConfigError(
             f"algorithm.hacpo.mode={hacpo.mode}: sharing needs at least 2 agents, got {len(specs)}; "

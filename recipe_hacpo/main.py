@@ -121,7 +121,7 @@ def plan_only(cfg: DictConfig) -> int:
 
     gib = float(cfg.trainer.get("gpu_memory_gib", 80))
     plans = planner.plan(cfg, agent_specs(cfg), gib)
-    print(planner.format_plan(plans, gib))
+    print(planner.format_plan(plans, gib, cfg.trainer.get("max_actor_ckpt_to_keep")))
     bad = [p for p in plans if p.problems]
     if bad:
         print(f"error: agent {bad[0].name}: {bad[0].problems[0]}", file=sys.stderr)

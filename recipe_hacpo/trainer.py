@@ -56,6 +56,7 @@ from recipe_hacpo.reliability import (
     checkpoint_problem,
     describe_failure,
     find_resume_checkpoint,
+    prune_checkpoints,
 )
 from recipe_hacpo.rollout_check import PATH as ROLLOUT_CHECK_PATH
 from recipe_hacpo.rollout_check import agent_precision, mismatch_message, mismatch_stats, violations
@@ -483,6 +484,9 @@ class HacpoTrainer:
         torch.save(state, os.path.join(tmp, STATE_FILE))
         replace_dir(tmp, final)
         atomic_write_text(os.path.join(self.checkpoint_root, LATEST_FILE), str(step))
+        keep = self.config.trainer.get("max_actor_ckpt_to_keep")
+        for name in prune_checkpoints(self.checkpoint_root, keep, list(self.agents)):
+            print(f"hacpo: removed checkpoint {name} (trainer.max_actor_ckpt_to_keep={keep})", flush=True)
         return final
 
     def load_checkpoint(self) -> bool:

@@ -137,6 +137,58 @@ def test_torn_write_never_becomes_latest_and_is_skipped(tmp_path):
     assert open(os.path.join(root, LATEST_FILE)).read() == "3"
 
 
+def test_retention_keeps_the_newest_complete_checkpoints_and_a_kill_while_pruning_leaves_a_resumable_folder(
+    tmp_path, monkeypatch, capsys
+):
+    """`trainer.max_actor_ckpt_to_keep=2`: older checkpoints go once a newer one is published, the
+    one a run resumed from stays until two newer ones are complete, a torn write removes nothing,
+    and a kill while a checkpoint is being deleted leaves nothing a resume could take for one."""
+    import shutil
+
+    from recipe_hacpo import reliability
+
+    root = str(tmp_path)
+
+    def trainer():
+        t = make_trainer(root)
+        t.config.trainer.max_actor_ckpt_to_keep = 2
+        return t
+
+    def entries():
+        return sorted(os.listdir(root))
+
+    t = trainer()
+    run_steps(t, 2)
+    assert entries() == ["global_step_1", "global_step_2", LATEST_FILE]
+    run_steps(t, 1)
+    assert entries() == ["global_step_2", "global_step_3", LATEST_FILE]
+    assert "hacpo: removed checkpoint global_step_1 (trainer.max_actor_ckpt_to_keep=2)" in capsys.readouterr().out
+
+    r = trainer()
+    assert r.load_checkpoint() and r.global_step == 3
+    r.agents["llama_pair"].fail_on_save = True
+    with pytest.raises(AgentError):
+        run_steps(r, 1)  # step 4 torn: the complete ones are still 2 and 3, nothing goes
+    assert entries() == ["global_step_2", "global_step_3", "global_step_4.tmp", LATEST_FILE]
+    r.agents["llama_pair"].fail_on_save = False
+
+    def killed_while_deleting(path, *args, **kwargs):
+        if str(path).endswith(".pruning"):
+            raise SystemExit("killed")
+        return shutil.rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(reliability, "shutil", SimpleNamespace(rmtree=killed_while_deleting))
+    with pytest.raises(SystemExit):
+        r.save_checkpoint()  # step 4 published, then killed while step 2 is deleted
+    assert entries() == [".global_step_2.pruning", "global_step_3", "global_step_4", LATEST_FILE]
+    resumed = trainer()
+    assert resumed.load_checkpoint() and resumed.global_step == 4
+    monkeypatch.undo()
+    run_steps(resumed, 1)  # the next prune sweeps what the kill left
+    assert entries() == ["global_step_4", "global_step_5", LATEST_FILE]
+    assert reliability.prune_checkpoints(root, None, NAMES) == [] and entries()[:2] == ["global_step_4", "global_step_5"]
+
+
 @pytest.mark.parametrize(
     "damage, expected_step, skipped",
     [
