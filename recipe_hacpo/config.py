@@ -102,7 +102,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     from recipe_hacpo.methods import method_for
 
     # the method's own checks (its keys, the agents it can train): recipe_hacpo/methods/
-    method_for(hacpo.mode).validate(specs, hacpo, {s.name: _data_parallel_world(cfg, s) for s in specs})
+    method_for(hacpo.mode).validate(specs, hacpo, {s.name: data_parallel_world(cfg, s) for s in specs})
 
     master_port_ranges(cfg.trainer.master_port_range, [s.name for s in specs])  # one line if unusable
     _validate_rollout_check(cfg, specs)
@@ -330,7 +330,7 @@ def _validate_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
                 f"agents[{s.index}] ({s.name}): data.train_batch_size={batch} is not divisible by "
                 f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}; pick a mini-batch that divides the batch"
             )
-        world = _data_parallel_world(cfg, s)
+        world = data_parallel_world(cfg, s)
         rows_per_mini = mini * _rows_per_prompt(specs, s, cfg)
         if rows_per_mini % world != 0:
             raise ConfigError(
@@ -371,7 +371,7 @@ def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> Non
                 f"agents[{s.index}] ({s.name}): actor_rollout_ref.actor.shuffle=true breaks the prompt groups of "
                 "HACPO's mini-batches (own and cross rows together); set it to false"
             )
-        world = _data_parallel_world(cfg, s)
+        world = data_parallel_world(cfg, s)
         dp = max(1, world // int(actor.get("ulysses_sequence_parallel_size", 1) or 1))
         mini = int(actor.ppo_mini_batch_size)
         if mini % dp != 0:
@@ -381,7 +381,7 @@ def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> Non
             )
 
 
-def _data_parallel_world(cfg: DictConfig, spec: AgentSpec) -> int:
+def data_parallel_world(cfg: DictConfig, spec: AgentSpec) -> int:
     """The GPUs (data-parallel ranks) an agent's actor runs on."""
     return max(1, spec.n_gpus_per_node * spec.nnodes) if not spec.uses_shared_pool else _shared_world(cfg)
 

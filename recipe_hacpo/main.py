@@ -38,7 +38,39 @@ def prepare(cfg: DictConfig):
     specs, hacpo = validate(cfg)
     check_data(cfg)
     load_reward_fn(cfg)  # a missing file or function fails here, not after the workers start
+    check_resume_layout(cfg, specs)
     return specs, hacpo
+
+
+def check_resume_layout(cfg: DictConfig, specs) -> None:
+    """A resume onto another per-agent GPU count fails inside verl's workers, minutes in: name
+    both layouts here instead. The checkpoint is the one the trainer will load (or none)."""
+    from recipe_hacpo.config import data_parallel_world
+    from recipe_hacpo.reliability import CheckpointError, checkpoint_problem, find_resume_checkpoint, saved_world_size
+
+    names = [s.name for s in specs]
+    mode = str(cfg.trainer.resume_mode)
+    if mode == "disable":
+        return
+    if mode == "resume_path":
+        path = str(cfg.trainer.resume_from_path)
+        if checkpoint_problem(path, names) is not None:
+            return  # the trainer's own one-line error
+    else:
+        try:
+            path = find_resume_checkpoint(str(cfg.trainer.default_local_dir), names).path
+        except CheckpointError:
+            return  # the trainer's own one-line error
+        if path is None:
+            return
+    for s in specs:
+        saved, world = saved_world_size(os.path.join(path, s.name, "actor")), data_parallel_world(cfg, s)
+        if saved is not None and saved != world:
+            raise ConfigError(
+                f"resume from {path}: agent {s.name} was saved by {saved} GPU rank(s), this run gives it {world} "
+                f"(agents[{s.index}].n_gpus_per_node x nnodes, or the shared pool's trainer.n_gpus_per_node x nnodes); "
+                "resume with the layout it was saved with, or start over with trainer.resume_mode=disable"
+            )
 
 
 def platform_env(cfg: DictConfig) -> dict[str, str]:

@@ -2,6 +2,7 @@
 
     find_resume_checkpoint   the newest *complete* checkpoint under a root (torn ones skipped)
     prune_checkpoints        keep the newest K complete checkpoints (trainer.max_actor_ckpt_to_keep)
+    saved_world_size         how many ranks wrote an agent's actor state in a checkpoint
     checkpoint_problem       why a checkpoint directory cannot be loaded, or None
     check_learner_batch      non-finite values in a learner batch, reported per agent
     check_update_metrics     non-finite loss (stop) / grad norm (update skipped by verl, counted)
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -24,6 +26,7 @@ import torch
 STATE_FILE = "hacpo_state.pt"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_SHARD = re.compile(r"^model_world_size_(\d+)_rank_\d+\.pt$")
 # a checkpoint on its way out: renamed first (one atomic step, after which no resume can choose
 # it), then deleted; a kill in between leaves only this name behind, swept by the next prune
 _PRUNING = re.compile(r"^\.global_step_\d+\.pruning$")
@@ -118,6 +121,18 @@ def find_resume_checkpoint(root: str, agent_names: Sequence[str] | None = None) 
             + "; restore it, or set trainer.resume_mode=disable to start over"
         )
     return ResumeChoice(None, skipped)
+
+
+def saved_world_size(actor_dir: str) -> int | None:
+    """The data-parallel world that wrote `actor_dir` (verl's FSDP checkpoint: its
+    fsdp_config.json, else the `model_world_size_W_rank_R.pt` shard names); None if unknown."""
+    try:
+        with open(os.path.join(actor_dir, "fsdp_config.json")) as f:
+            return int(json.load(f)["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    sizes = {int(m.group(1)) for e in (os.listdir(actor_dir) if os.path.isdir(actor_dir) else ()) if (m := _SHARD.match(e))}
+    return sizes.pop() if len(sizes) == 1 else None
 
 
 def prune_checkpoints(root: str, keep: int | None, agent_names: Sequence[str] | None = None) -> list[str]:

@@ -137,6 +137,34 @@ def test_torn_write_never_becomes_latest_and_is_skipped(tmp_path):
     assert open(os.path.join(root, LATEST_FILE)).read() == "3"
 
 
+def test_a_resume_onto_another_gpu_count_is_refused_before_ray_naming_both_layouts(tmp_path, demo_overrides):
+    import json
+
+    from helpers.compose import compose_config
+
+    from recipe_hacpo.config import ConfigError, agent_specs
+    from recipe_hacpo.main import check_resume_layout
+
+    root = str(tmp_path / "ckpt")
+    run_steps(make_trainer(root), 2)  # each agent written by one rank (model_world_size_1_rank_0.pt)
+    with open(os.path.join(root, "global_step_2", "llama_pair", "actor", "fsdp_config.json"), "w") as f:
+        json.dump({"FSDP_version": 2, "world_size": 1}, f)  # what verl's FSDP checkpoint writes beside it
+
+    def check(*extra):
+        cfg = compose_config("hacpo_cpu_demo", [*demo_overrides, f"trainer.default_local_dir={root}", *extra])
+        check_resume_layout(cfg, agent_specs(cfg))
+
+    check("trainer.resume_mode=auto")
+    with pytest.raises(ConfigError, match=r"^resume from \S*global_step_2: agent llama_pair was saved by 1 GPU rank\(s\), "
+                                          r"this run gives it 2 \(agents\[1\]\.n_gpus_per_node x nnodes"):
+        check("trainer.resume_mode=auto", "agents.1.n_gpus_per_node=2")
+    with pytest.raises(ConfigError, match=r"agent qwen_char was saved by 1 GPU rank\(s\), this run gives it 3"):
+        check("trainer.resume_mode=auto", "agents.0.n_gpus_per_node=0", "trainer.n_gpus_per_node=3")
+    with pytest.raises(ConfigError, match="global_step_1: agent llama_pair"):
+        check("trainer.resume_mode=resume_path", f"trainer.resume_from_path={root}/global_step_1", "agents.1.nnodes=2")
+    check("trainer.resume_mode=disable", "agents.1.n_gpus_per_node=2")  # a new run: nothing to resume
+
+
 def test_retention_keeps_the_newest_complete_checkpoints_and_a_kill_while_pruning_leaves_a_resumable_folder(
     tmp_path, monkeypatch, capsys
 ):
