@@ -88,6 +88,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     reward_timeout = float(cfg.trainer.reward_timeout_s)  # default in hacpo_base.yaml
     if not reward_timeout > 0:
         raise ConfigError(f"trainer.reward_timeout_s={reward_timeout}: must be > 0 (seconds one reward call may take)")
+    _validate_unhonoured_verl_keys(cfg)
     keep = cfg.trainer.get("max_actor_ckpt_to_keep")
     if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
         raise ConfigError(
@@ -138,6 +139,24 @@ def _validate_rollout_check(cfg: DictConfig, specs: list[AgentSpec]) -> None:
                 f"trainer.rollout_check.action={check.action} compares the engine's log-probs with the trainer's "
                 "every step; set it true (or the action to off)"
             )
+
+
+# verl trainer keys this recipe's trainer does not act on: {key: (the value that asks for nothing, what to do)}
+UNHONOURED_VERL_KEYS = {
+    "log_val_generations": (0, "validation samples are not logged; their scores are (val-core/...)"),
+    "rollout_data_dir": (None, "trainer.record_rollouts_dir=DIR keeps every agent's scored rollouts per step under DIR/<agent>/"),
+    "validation_data_dir": (None, "validation generations are not dumped"),
+    "balance_batch": (False, "a learner batch keeps its group order across data-parallel ranks"),
+    "default_hdfs_dir": (None, "checkpoints stay under trainer.default_local_dir; copy them from there"),
+}
+
+
+def _validate_unhonoured_verl_keys(cfg: DictConfig) -> None:
+    """A verl key that would be accepted and then do nothing is refused instead."""
+    for key, (off, instead) in UNHONOURED_VERL_KEYS.items():
+        value = cfg.trainer.get(key, off)
+        if (value or None) != (off or None):
+            raise ConfigError(f"trainer.{key}={value!r}: not honoured by this recipe ({instead}); set it to {off}")
 
 
 def _validate_sample_tapes(cfg: DictConfig, specs: list[AgentSpec], check_paths: bool) -> None:

@@ -595,6 +595,11 @@ class HacpoTrainer:
             left = self.stop_clock.end_time - time.time()
             print(f"hacpo: stopping to be resumed before the deadline in {left:.0f} s", flush=True)
         latest: dict[str, float] = {}  # newest value of every metric, validation included
+        if t.get("val_only", False):  # validate the initial (or resumed) agents, train nothing
+            val = self.validate()
+            logger.log(data=val, step=self.global_step)
+            tqdm.write(summary_lines(val, self.global_step, self.total_steps))
+            return val
         if t.get("val_before_train", True) and not resumed:
             val = self.validate()
             latest.update(val)
