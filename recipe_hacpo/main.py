@@ -168,16 +168,33 @@ def run(cfg: DictConfig) -> dict:
     stopped the run with a complete checkpoint (recipe_hacpo/preemption.py)."""
     import time
 
-    from verl.utils import hf_tokenizer
-    from verl.utils.tracking import Tracking
-
-    from recipe_hacpo.preemption import PreemptionSettings, StopSignals, shield_children
-    from recipe_hacpo.trainer import HacpoTrainer
+    from recipe_hacpo.preemption import RESUMABLE_EXIT, PreemptionSettings, ResumableStop
+    from recipe_hacpo.run_metrics import RunMetrics
 
     started = time.time()
     verbose = _apply_verbosity(cfg)
     specs, hacpo = prepare(cfg)
     preemption = PreemptionSettings.from_config(cfg.trainer)  # a bad key fails before Ray
+    # every backend starts before Ray does: a wandb key or network problem is seconds in, not minutes
+    metrics = RunMetrics(cfg, verbose)
+    exit_code = 1
+    try:
+        last = _train(cfg, specs, hacpo, preemption, metrics, started)
+        exit_code = 0
+        return last
+    except ResumableStop:
+        exit_code = RESUMABLE_EXIT
+        raise
+    finally:
+        metrics.finish(exit_code=exit_code)
+
+
+def _train(cfg: DictConfig, specs, hacpo, preemption, metrics, started: float) -> dict:
+    from verl.utils import hf_tokenizer
+
+    from recipe_hacpo.preemption import StopSignals, shield_children
+    from recipe_hacpo.trainer import HacpoTrainer
+
     # from here on SIGUSR1 / SIGTERM ask for a stop at the next safe point
     signals = StopSignals(request_file=preemption.request_file).install()
     # the dataset keeps raw chat messages; each agent renders them with its own template
@@ -193,13 +210,7 @@ def run(cfg: DictConfig) -> dict:
     trainer.stop_signals = signals
     trainer.started_at = started
     trainer.init_workers(train_loader, val_loader, steps)
-    logger = Tracking(
-        project_name=cfg.trainer.project_name,
-        experiment_name=cfg.trainer.experiment_name,
-        default_backend=logger_backends(cfg, verbose),
-        config=OmegaConf.to_container(cfg, resolve=True),
-    )
-    return trainer.fit(logger, progress=bool(cfg.trainer.get("progress_bar", True)),
+    return trainer.fit(metrics, progress=bool(cfg.trainer.get("progress_bar", True)),
                        summary_every=int(cfg.trainer.get("summary_every", 0) or 0))
 
 
@@ -213,15 +224,6 @@ def _apply_verbosity(cfg: DictConfig) -> bool:
         return True
     quiet.install()
     return False
-
-
-def logger_backends(cfg: DictConfig, verbose: bool) -> list[str]:
-    """verl tracking backends. Quiet runs replace the console's full metrics line per step by
-    the trainer's short per-agent lines; every other backend keeps every metric."""
-    backends = _as_list(cfg.trainer.logger)
-    if not verbose and int(cfg.trainer.get("summary_every", 0) or 0) > 0:
-        backends = [b for b in backends if b != "console"]
-    return backends
 
 
 @hydra.main(config_path="pkg://recipe_hacpo.configs", config_name="hacpo_trainer", version_base=None)
