@@ -13,6 +13,11 @@ steps it resumed after and drops only the lines of steps it is about to log agai
 attempt that was stopped after its last checkpoint), so the file holds each step once.
 `VERL_FILE_LOGGER_PATH`, when set, names the file instead (as for verl's file logger), and
 `TENSORBOARD_DIR` the event folder.
+
+With `wandb` in `trainer.logger`, the run's wandb id is kept in `metrics_dir/wandb_run_id`: a
+resumed or requeued run continues the same wandb run (`WANDB_RUN_ID`, `WANDB_RESUME=allow`,
+unless set). On compute nodes without network, `WANDB_MODE=offline` keeps it local for a later
+`wandb sync`.
 """
 
 from __future__ import annotations
@@ -22,7 +27,9 @@ import os
 
 from omegaconf import DictConfig
 
-JSONL_NAME, TENSORBOARD_NAME = "metrics.jsonl", "tensorboard"
+from recipe_hacpo.hacpo_settings import ConfigError
+
+JSONL_NAME, TENSORBOARD_NAME, WANDB_ID_FILE = "metrics.jsonl", "tensorboard", "wandb_run_id"
 # always on; "file" is this module's writer, not verl's (which truncates its file at every start)
 ALWAYS = ("file", "tensorboard")
 
@@ -44,6 +51,24 @@ def backends(cfg: DictConfig, verbose: bool) -> list[str]:
     if not verbose and int(cfg.trainer.get("summary_every", 0) or 0) > 0:
         chosen = [b for b in chosen if b != "console"]
     return chosen
+
+
+def wandb_run_id(folder: str) -> str:
+    """The wandb run id of the run whose metrics go to `folder`: made once, then read back."""
+    path = os.path.join(folder, WANDB_ID_FILE)
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        pass
+    import uuid
+
+    from recipe_hacpo.atomic_io import atomic_write_text
+
+    os.makedirs(folder, exist_ok=True)
+    run_id = uuid.uuid4().hex[:16]
+    atomic_write_text(path, run_id)
+    return run_id
 
 
 class JsonlMetrics:
@@ -90,14 +115,29 @@ class RunMetrics:
         from omegaconf import OmegaConf
 
         chosen = backends(cfg, verbose)
+        unknown = [b for b in chosen if b not in Tracking.supported_backend]
+        if unknown:
+            raise ConfigError(f"trainer.logger: unknown backend {unknown[0]!r}; verl knows {', '.join(Tracking.supported_backend)}")
         os.environ.setdefault("TENSORBOARD_DIR", os.path.join(metrics_dir(cfg), TENSORBOARD_NAME))
+        if "wandb" in chosen:
+            os.environ.setdefault("WANDB_RUN_ID", wandb_run_id(metrics_dir(cfg)))
+            os.environ.setdefault("WANDB_RESUME", "allow")
         self.jsonl = JsonlMetrics(jsonl_path(cfg))
-        self.tracking = Tracking(
-            project_name=cfg.trainer.project_name,
-            experiment_name=cfg.trainer.experiment_name,
-            default_backend=[b for b in chosen if b != "file"],
-            config=OmegaConf.to_container(cfg, resolve=True),
-        )
+        try:
+            self.tracking = Tracking(
+                project_name=cfg.trainer.project_name,
+                experiment_name=cfg.trainer.experiment_name,
+                default_backend=[b for b in chosen if b != "file"],
+                config=OmegaConf.to_container(cfg, resolve=True),
+            )
+        except Exception as exc:
+            if "wandb" not in chosen:
+                raise
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise ConfigError(
+                f"trainer.logger has wandb, which did not start ({type(exc).__name__}: {first}); on a node without "
+                "network set WANDB_MODE=offline (and `wandb sync` later), or log in with WANDB_API_KEY"
+            ) from exc
 
     def log(self, data: dict, step: int) -> None:
         self.jsonl.log(data, step)

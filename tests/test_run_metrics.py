@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 from helpers.e2e import REPO, agent_overrides
@@ -68,3 +69,76 @@ def test_a_paper_presets_logger_settings_leave_every_metric_in_the_run_folder_ac
     assert sorted(e.step for e in pg_loss) == [1, 2]
     assert [e.value for e in sorted(pg_loss, key=lambda e: e.step)] == pytest.approx(
         [r["data"]["agent/qwen_char/actor/pg_loss"] for r in records], rel=1e-6)
+
+
+def _wandb_history_steps(run_dir) -> list[int]:
+    """The history steps in wandb's own offline file of one run: a ":W&B" header, then
+    LevelDB-log records (32 KiB blocks; checksum, length, type; full / first / middle / last
+    chunks) of wandb's `Record` protobuf messages."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = run_dir.glob("*.wandb")
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    pos, block, pending, steps = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind in (1, 2):
+            pending = chunk
+        elif kind in (3, 4):
+            pending += chunk
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            if record.WhichOneof("record_type") == "history":
+                steps += [int(json.loads(i.value_json)) for i in record.history.item
+                          if (i.key or "/".join(i.nested_key)) == "_step"]
+    return steps
+
+
+def test_wandb_offline_continues_one_run_across_a_requeue(tmp_path, monkeypatch):
+    """The real wandb package, offline: the second process (a requeue) finds the run id in the
+    metrics folder and logs into the same run."""
+    from omegaconf import OmegaConf
+
+    from recipe_hacpo.run_metrics import WANDB_ID_FILE, RunMetrics
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    monkeypatch.setenv("TENSORBOARD_DIR", str(tmp_path / "tb"))
+    cfg = OmegaConf.create({"trainer": {"logger": ["wandb"], "summary_every": 0, "metrics_dir": None,
+                                        "default_local_dir": str(tmp_path / "ckpt"), "project_name": "p",
+                                        "experiment_name": "e"}})
+    for steps in ((1, 2), (3,)):
+        for var in ("WANDB_RUN_ID", "WANDB_RESUME"):  # a new process: only the folder remembers
+            monkeypatch.delenv(var, raising=False)
+        metrics = RunMetrics(cfg, verbose=True)
+        for step in steps:
+            metrics.log({"agent/a/reward/mean": 0.1 * step}, step)
+        metrics.finish()
+    run_id = (tmp_path / "ckpt" / WANDB_ID_FILE).read_text()
+    runs = sorted((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    # wandb's service process may still be writing the last run's file when finish() returns
+    deadline = time.monotonic() + 60
+    while (steps := [s for r in runs for s in _wandb_history_steps(r)]) != [1, 2, 3] and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert steps == [1, 2, 3]
+    assert [r["step"] for r in _lines(tmp_path / "ckpt" / "metrics.jsonl")] == [1, 2, 3]
+
+
+def test_an_unknown_backend_is_one_line_before_anything_starts(tmp_path):
+    from omegaconf import OmegaConf
+
+    from recipe_hacpo.hacpo_settings import ConfigError
+    from recipe_hacpo.run_metrics import RunMetrics
+
+    cfg = OmegaConf.create({"trainer": {"logger": ["console", "wandbb"], "summary_every": 0, "metrics_dir": None,
+                                        "default_local_dir": str(tmp_path), "project_name": "p", "experiment_name": "e"}})
+    with pytest.raises(ConfigError, match=r"^trainer\.logger: unknown backend 'wandbb'; verl knows wandb, "):
+        RunMetrics(cfg, verbose=True)
+    assert not os.listdir(tmp_path)
