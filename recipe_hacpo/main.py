@@ -209,6 +209,7 @@ def _train(cfg: DictConfig, specs, hacpo, preemption, metrics, started: float) -
     trainer = HacpoTrainer(cfg, specs, hacpo)
     trainer.stop_signals = signals
     trainer.started_at = started
+    print(f"hacpo: starting the workers of {len(specs)} agents ({', '.join(s.name for s in specs)})", flush=True)
     trainer.init_workers(train_loader, val_loader, steps)
     return trainer.fit(metrics, progress=bool(cfg.trainer.get("progress_bar", True)),
                        summary_every=int(cfg.trainer.get("summary_every", 0) or 0))

@@ -52,10 +52,14 @@ def test_a_paper_presets_logger_settings_leave_every_metric_in_the_run_folder_ac
         cmd = [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo",
                *agent_overrides(warm_agent_paths, ["qwen2-char-small", "llama-pair-medium"]),
                "trainer.logger=[console]", "trainer.summary_every=5", f"trainer.default_local_dir={ckpt}",
-               f"hydra.run.dir={tmp_path}/hydra", "trainer.progress_bar=false", f"trainer.total_training_steps={steps}",
+               f"hydra.run.dir={tmp_path}/hydra", f"trainer.total_training_steps={steps}",
                "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.resume_mode=auto"]
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+        # no terminal: the progress bar's place is taken by plain lines (a log file can hold them)
+        assert "\r" not in proc.stdout + proc.stderr
+        assert "hacpo: starting the workers of 2 agents (qwen_char, llama_pair)" in proc.stdout
+        assert f"hacpo: step {steps}/{steps} done in " in proc.stdout
 
     run(1)
     run(2)  # resumes from step 1's checkpoint
