@@ -88,6 +88,13 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     reward_timeout = float(cfg.trainer.reward_timeout_s)  # default in hacpo_base.yaml
     if not reward_timeout > 0:
         raise ConfigError(f"trainer.reward_timeout_s={reward_timeout}: must be > 0 (seconds one reward call may take)")
+    _validate_unhonoured_verl_keys(cfg)
+    keep = cfg.trainer.get("max_actor_ckpt_to_keep")
+    if keep is not None and (isinstance(keep, bool) or not isinstance(keep, int) or keep < 1):
+        raise ConfigError(
+            f"trainer.max_actor_ckpt_to_keep={keep!r}: the number of newest joint checkpoints kept, >= 1 "
+            "(null keeps every checkpoint)"
+        )
     if hacpo.shares and len(specs) < 2 and hacpo.replay_peer is None:
         raise ConfigError(
             f"algorithm.hacpo.mode={hacpo.mode}: sharing needs at least 2 agents, got {len(specs)}; "
@@ -96,7 +103,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     from recipe_hacpo.methods import method_for
 
     # the method's own checks (its keys, the agents it can train): recipe_hacpo/methods/
-    method_for(hacpo.mode).validate(specs, hacpo, {s.name: _data_parallel_world(cfg, s) for s in specs})
+    method_for(hacpo.mode).validate(specs, hacpo, {s.name: data_parallel_world(cfg, s) for s in specs})
 
     master_port_ranges(cfg.trainer.master_port_range, [s.name for s in specs])  # one line if unusable
     _validate_rollout_check(cfg, specs)
@@ -132,6 +139,24 @@ def _validate_rollout_check(cfg: DictConfig, specs: list[AgentSpec]) -> None:
                 f"trainer.rollout_check.action={check.action} compares the engine's log-probs with the trainer's "
                 "every step; set it true (or the action to off)"
             )
+
+
+# verl trainer keys this recipe's trainer does not act on: {key: (the value that asks for nothing, what to do)}
+UNHONOURED_VERL_KEYS = {
+    "log_val_generations": (0, "validation samples are not logged; their scores are (val-core/...)"),
+    "rollout_data_dir": (None, "trainer.record_rollouts_dir=DIR keeps every agent's scored rollouts per step under DIR/<agent>/"),
+    "validation_data_dir": (None, "validation generations are not dumped"),
+    "balance_batch": (False, "a learner batch keeps its group order across data-parallel ranks"),
+    "default_hdfs_dir": (None, "checkpoints stay under trainer.default_local_dir; copy them from there"),
+}
+
+
+def _validate_unhonoured_verl_keys(cfg: DictConfig) -> None:
+    """A verl key that would be accepted and then do nothing is refused instead."""
+    for key, (off, instead) in UNHONOURED_VERL_KEYS.items():
+        value = cfg.trainer.get(key, off)
+        if (value or None) != (off or None):
+            raise ConfigError(f"trainer.{key}={value!r}: not honoured by this recipe ({instead}); set it to {off}")
 
 
 def _validate_sample_tapes(cfg: DictConfig, specs: list[AgentSpec], check_paths: bool) -> None:
@@ -324,7 +349,7 @@ def _validate_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
                 f"agents[{s.index}] ({s.name}): data.train_batch_size={batch} is not divisible by "
                 f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}; pick a mini-batch that divides the batch"
             )
-        world = _data_parallel_world(cfg, s)
+        world = data_parallel_world(cfg, s)
         rows_per_mini = mini * _rows_per_prompt(specs, s, cfg)
         if rows_per_mini % world != 0:
             raise ConfigError(
@@ -365,7 +390,7 @@ def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> Non
                 f"agents[{s.index}] ({s.name}): actor_rollout_ref.actor.shuffle=true breaks the prompt groups of "
                 "HACPO's mini-batches (own and cross rows together); set it to false"
             )
-        world = _data_parallel_world(cfg, s)
+        world = data_parallel_world(cfg, s)
         dp = max(1, world // int(actor.get("ulysses_sequence_parallel_size", 1) or 1))
         mini = int(actor.ppo_mini_batch_size)
         if mini % dp != 0:
@@ -375,7 +400,7 @@ def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> Non
             )
 
 
-def _data_parallel_world(cfg: DictConfig, spec: AgentSpec) -> int:
+def data_parallel_world(cfg: DictConfig, spec: AgentSpec) -> int:
     """The GPUs (data-parallel ranks) an agent's actor runs on."""
     return max(1, spec.n_gpus_per_node * spec.nnodes) if not spec.uses_shared_pool else _shared_world(cfg)
 

@@ -38,7 +38,39 @@ def prepare(cfg: DictConfig):
     specs, hacpo = validate(cfg)
     check_data(cfg)
     load_reward_fn(cfg)  # a missing file or function fails here, not after the workers start
+    check_resume_layout(cfg, specs)
     return specs, hacpo
+
+
+def check_resume_layout(cfg: DictConfig, specs) -> None:
+    """A resume onto another per-agent GPU count fails inside verl's workers, minutes in: name
+    both layouts here instead. The checkpoint is the one the trainer will load (or none)."""
+    from recipe_hacpo.config import data_parallel_world
+    from recipe_hacpo.reliability import CheckpointError, checkpoint_problem, find_resume_checkpoint, saved_world_size
+
+    names = [s.name for s in specs]
+    mode = str(cfg.trainer.resume_mode)
+    if mode == "disable":
+        return
+    if mode == "resume_path":
+        path = str(cfg.trainer.resume_from_path)
+        if checkpoint_problem(path, names) is not None:
+            return  # the trainer's own one-line error
+    else:
+        try:
+            path = find_resume_checkpoint(str(cfg.trainer.default_local_dir), names).path
+        except CheckpointError:
+            return  # the trainer's own one-line error
+        if path is None:
+            return
+    for s in specs:
+        saved, world = saved_world_size(os.path.join(path, s.name, "actor")), data_parallel_world(cfg, s)
+        if saved is not None and saved != world:
+            raise ConfigError(
+                f"resume from {path}: agent {s.name} was saved by {saved} GPU rank(s), this run gives it {world} "
+                f"(agents[{s.index}].n_gpus_per_node x nnodes, or the shared pool's trainer.n_gpus_per_node x nnodes); "
+                "resume with the layout it was saved with, or start over with trainer.resume_mode=disable"
+            )
 
 
 def platform_env(cfg: DictConfig) -> dict[str, str]:
@@ -121,7 +153,7 @@ def plan_only(cfg: DictConfig) -> int:
 
     gib = float(cfg.trainer.get("gpu_memory_gib", 80))
     plans = planner.plan(cfg, agent_specs(cfg), gib)
-    print(planner.format_plan(plans, gib))
+    print(planner.format_plan(plans, gib, cfg.trainer.get("max_actor_ckpt_to_keep")))
     bad = [p for p in plans if p.problems]
     if bad:
         print(f"error: agent {bad[0].name}: {bad[0].problems[0]}", file=sys.stderr)
@@ -136,16 +168,33 @@ def run(cfg: DictConfig) -> dict:
     stopped the run with a complete checkpoint (recipe_hacpo/preemption.py)."""
     import time
 
-    from verl.utils import hf_tokenizer
-    from verl.utils.tracking import Tracking
-
-    from recipe_hacpo.preemption import PreemptionSettings, StopSignals, shield_children
-    from recipe_hacpo.trainer import HacpoTrainer
+    from recipe_hacpo.preemption import RESUMABLE_EXIT, PreemptionSettings, ResumableStop
+    from recipe_hacpo.run_metrics import RunMetrics
 
     started = time.time()
     verbose = _apply_verbosity(cfg)
     specs, hacpo = prepare(cfg)
     preemption = PreemptionSettings.from_config(cfg.trainer)  # a bad key fails before Ray
+    # every backend starts before Ray does: a wandb key or network problem is seconds in, not minutes
+    metrics = RunMetrics(cfg, verbose)
+    exit_code = 1
+    try:
+        last = _train(cfg, specs, hacpo, preemption, metrics, started)
+        exit_code = 0
+        return last
+    except ResumableStop:
+        exit_code = RESUMABLE_EXIT
+        raise
+    finally:
+        metrics.finish(exit_code=exit_code)
+
+
+def _train(cfg: DictConfig, specs, hacpo, preemption, metrics, started: float) -> dict:
+    from verl.utils import hf_tokenizer
+
+    from recipe_hacpo.preemption import StopSignals, shield_children
+    from recipe_hacpo.trainer import HacpoTrainer
+
     # from here on SIGUSR1 / SIGTERM ask for a stop at the next safe point
     signals = StopSignals(request_file=preemption.request_file).install()
     # the dataset keeps raw chat messages; each agent renders them with its own template
@@ -160,14 +209,9 @@ def run(cfg: DictConfig) -> dict:
     trainer = HacpoTrainer(cfg, specs, hacpo)
     trainer.stop_signals = signals
     trainer.started_at = started
+    print(f"hacpo: starting the workers of {len(specs)} agents ({', '.join(s.name for s in specs)})", flush=True)
     trainer.init_workers(train_loader, val_loader, steps)
-    logger = Tracking(
-        project_name=cfg.trainer.project_name,
-        experiment_name=cfg.trainer.experiment_name,
-        default_backend=logger_backends(cfg, verbose),
-        config=OmegaConf.to_container(cfg, resolve=True),
-    )
-    return trainer.fit(logger, progress=bool(cfg.trainer.get("progress_bar", True)),
+    return trainer.fit(metrics, progress=bool(cfg.trainer.get("progress_bar", True)),
                        summary_every=int(cfg.trainer.get("summary_every", 0) or 0))
 
 
@@ -181,15 +225,6 @@ def _apply_verbosity(cfg: DictConfig) -> bool:
         return True
     quiet.install()
     return False
-
-
-def logger_backends(cfg: DictConfig, verbose: bool) -> list[str]:
-    """verl tracking backends. Quiet runs replace the console's full metrics line per step by
-    the trainer's short per-agent lines; every other backend keeps every metric."""
-    backends = _as_list(cfg.trainer.logger)
-    if not verbose and int(cfg.trainer.get("summary_every", 0) or 0) > 0:
-        backends = [b for b in backends if b != "console"]
-    return backends
 
 
 @hydra.main(config_path="pkg://recipe_hacpo.configs", config_name="hacpo_trainer", version_base=None)

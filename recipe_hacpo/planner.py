@@ -245,6 +245,7 @@ class AgentPlan:
     fsdp_weights: int = 0
     fsdp_grads: int = 0
     fsdp_adam: int = 0
+    checkpoint: int = 0  # bytes of this agent in one joint checkpoint: fp32 weights and Adam state, all ranks
     ref_weights: int = 0
     vllm_share: int = 0
     vllm_weights: int = 0
@@ -327,6 +328,8 @@ def plan_agent(cfg, spec, gpu_memory: int, shape: ModelShape | None) -> AgentPla
         if unknown:
             plan.note = f"LoRA targets {unknown} not counted (the plan knows {', '.join(LORA_PROJECTIONS)})"
     trained = plan.lora_params if plan.lora_rank > 0 else p
+    # what verl's FSDP checkpoint holds (model and optimizer shards), whatever is offloaded
+    plan.checkpoint = FP32_WEIGHT_BYTES * (p + plan.lora_params) + ADAM_BYTES * trained
     if plan.offload_policy:
         in_flight = shape.root_params() + 2 * shape.layer_params()
         plan.fsdp_weights = BF16_BYTES * in_flight
@@ -503,8 +506,9 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def format_plan(plans: list[AgentPlan], gpu_memory_gib: float) -> str:
-    """The table `trainer.plan_only=true` prints: one block per agent."""
+def format_plan(plans: list[AgentPlan], gpu_memory_gib: float, keep_checkpoints: int | None = None) -> str:
+    """The table `trainer.plan_only=true` prints: one block per agent, then the disk a run's
+    checkpoints take (`keep_checkpoints`: trainer.max_actor_ckpt_to_keep, None = every one)."""
     lines = [f"HACPO plan: {len(plans)} agent(s), {gpu_memory_gib:g} GiB per GPU "
              "(activations are an estimate at the longest rows; CUDA context about 1 GiB per process)"]
     for p in plans:
@@ -537,4 +541,10 @@ def format_plan(plans: list[AgentPlan], gpu_memory_gib: float) -> str:
                 + (f" ({_gib(int(gpu_memory_gib * GIB) - worst)} to spare)" if p.fits else "")
             )
         lines += ["    fits"] if p.fits else [f"    DOES NOT FIT: {msg}" for msg in p.problems]
+    if all(p.known for p in plans):
+        joint = sum(p.checkpoint for p in plans)
+        kept = (f"trainer.max_actor_ckpt_to_keep={keep_checkpoints} keeps at most {_gib(keep_checkpoints * joint)}"
+                if keep_checkpoints else "trainer.max_actor_ckpt_to_keep=null keeps every one")
+        lines.append(f"checkpoints: {_gib(joint)} a joint checkpoint (fp32 weights and Adam state: "
+                     + ", ".join(f"{p.name} {_gib(p.checkpoint)}" for p in plans) + f"); {kept}")
     return "\n".join(lines)

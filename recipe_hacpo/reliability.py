@@ -1,6 +1,8 @@
 """Failure handling the trainer relies on, kept free of Ray so each piece is testable alone.
 
     find_resume_checkpoint   the newest *complete* checkpoint under a root (torn ones skipped)
+    prune_checkpoints        keep the newest K complete checkpoints (trainer.max_actor_ckpt_to_keep)
+    saved_world_size         how many ranks wrote an agent's actor state in a checkpoint
     checkpoint_problem       why a checkpoint directory cannot be loaded, or None
     check_learner_batch      non-finite values in a learner batch, reported per agent
     check_update_metrics     non-finite loss (stop) / grad norm (update skipped by verl, counted)
@@ -10,8 +12,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import shutil
 import threading
 import time
 from dataclasses import dataclass
@@ -22,6 +26,10 @@ import torch
 STATE_FILE = "hacpo_state.pt"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
+_SHARD = re.compile(r"^model_world_size_(\d+)_rank_\d+\.pt$")
+# a checkpoint on its way out: renamed first (one atomic step, after which no resume can choose
+# it), then deleted; a kill in between leaves only this name behind, swept by the next prune
+_PRUNING = re.compile(r"^\.global_step_\d+\.pruning$")
 
 
 class CheckpointError(RuntimeError):
@@ -113,6 +121,50 @@ def find_resume_checkpoint(root: str, agent_names: Sequence[str] | None = None) 
             + "; restore it, or set trainer.resume_mode=disable to start over"
         )
     return ResumeChoice(None, skipped)
+
+
+def saved_world_size(actor_dir: str) -> int | None:
+    """The data-parallel world that wrote `actor_dir` (verl's FSDP checkpoint: its
+    fsdp_config.json, else the `model_world_size_W_rank_R.pt` shard names); None if unknown."""
+    try:
+        with open(os.path.join(actor_dir, "fsdp_config.json")) as f:
+            return int(json.load(f)["world_size"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    sizes = {int(m.group(1)) for e in (os.listdir(actor_dir) if os.path.isdir(actor_dir) else ()) if (m := _SHARD.match(e))}
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def prune_checkpoints(root: str, keep: int | None, agent_names: Sequence[str] | None = None) -> list[str]:
+    """Remove every checkpoint under `root` older than its newest `keep` complete ones (None: keep
+    all); returns the names removed, oldest first.
+
+    Called after a checkpoint is published, so the one a run resumed from goes only once `keep`
+    newer complete ones exist. A torn checkpoint older than the newest `keep` complete ones is
+    removed too (nothing can resume from it); a newer torn one is left to the next write of its
+    step. Each goes by a rename to `.global_step_N.pruning` before its files are deleted: a kill
+    during the deletion leaves nothing that looks like a checkpoint.
+    """
+    for entry in os.listdir(root) if os.path.isdir(root) else ():
+        if _PRUNING.match(entry):
+            shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+    if keep is None:
+        return []
+    steps = checkpoint_steps(root)
+    complete = [s for s in steps if checkpoint_problem(os.path.join(root, f"global_step_{s}"), agent_names) is None]
+    if len(complete) <= keep:
+        return []
+    oldest_kept = complete[-keep]
+    removed = []
+    for step in steps:
+        if step >= oldest_kept:
+            break
+        name = f"global_step_{step}"
+        doomed = os.path.join(root, f".{name}.pruning")
+        os.rename(os.path.join(root, name), doomed)
+        shutil.rmtree(doomed)
+        removed.append(name)
+    return removed
 
 
 # ------------------------------------------------------------------------------ non-finite values

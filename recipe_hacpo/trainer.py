@@ -56,7 +56,9 @@ from recipe_hacpo.reliability import (
     checkpoint_problem,
     describe_failure,
     find_resume_checkpoint,
+    prune_checkpoints,
 )
+from recipe_hacpo.progress import ProgressLines
 from recipe_hacpo.rollout_check import PATH as ROLLOUT_CHECK_PATH
 from recipe_hacpo.rollout_check import agent_precision, mismatch_message, mismatch_stats, violations
 from recipe_hacpo.preemption import (
@@ -82,6 +84,8 @@ class HacpoTrainer:
     # trainers assembled without __init__ (tests' stand-ins)
     _step_started: float | None = None
     _step_decision: str | None = None
+    # plain progress lines where no terminal shows the bar (progress.py); set by fit
+    progress_lines: ProgressLines | None = None
 
     @property
     def method(self) -> Method:
@@ -270,6 +274,8 @@ class HacpoTrainer:
         For watchdogs on long runs (which phase is a stuck run in, which processes serve which
         agent?) and for the tests that kill a run, or one agent's worker, at a chosen phase.
         """
+        if self.progress_lines is not None:
+            self.progress_lines.phase(self.global_step, phase)
         path = self.config.trainer.get("progress_file")
         if path:
             if self._worker_processes is None:
@@ -483,6 +489,9 @@ class HacpoTrainer:
         torch.save(state, os.path.join(tmp, STATE_FILE))
         replace_dir(tmp, final)
         atomic_write_text(os.path.join(self.checkpoint_root, LATEST_FILE), str(step))
+        keep = self.config.trainer.get("max_actor_ckpt_to_keep")
+        for name in prune_checkpoints(self.checkpoint_root, keep, list(self.agents)):
+            print(f"hacpo: removed checkpoint {name} (trainer.max_actor_ckpt_to_keep={keep})", flush=True)
         return final
 
     def load_checkpoint(self) -> bool:
@@ -591,14 +600,25 @@ class HacpoTrainer:
             left = self.stop_clock.end_time - time.time()
             print(f"hacpo: stopping to be resumed before the deadline in {left:.0f} s", flush=True)
         latest: dict[str, float] = {}  # newest value of every metric, validation included
+        if t.get("val_only", False):  # validate the initial (or resumed) agents, train nothing
+            val = self.validate()
+            logger.log(data=val, step=self.global_step)
+            tqdm.write(summary_lines(val, self.global_step, self.total_steps))
+            return val
         if t.get("val_before_train", True) and not resumed:
+            print("hacpo: validating the agents before training", flush=True)
             val = self.validate()
             latest.update(val)
             logger.log(data=val, step=self.global_step)
             if summary_every > 0:
                 tqdm.write(summary_lines(latest, self.global_step, self.total_steps))
         last: dict[str, float] = {}
-        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="HACPO", disable=not progress)
+        # a bar on a terminal; elsewhere (a Slurm .out, a redirected log) plain lines that no
+        # carriage return rewrites
+        on_terminal = sys.stderr.isatty()
+        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="HACPO", disable=not (progress and on_terminal))
+        if progress and not on_terminal:
+            self.progress_lines = ProgressLines(self.total_steps, self.global_step)
         finished_state: dict | None = None  # trainer_state() at the end of the last finished step
         try:
             while self.global_step < self.total_steps:
@@ -647,6 +667,8 @@ class HacpoTrainer:
                     last = metrics
                     latest.update(metrics)
                     bar.update(1)
+                    if self.progress_lines is not None:
+                        self.progress_lines.step_done(self.global_step, metrics["timing_s/step"])
                     if summary_every > 0 and (self.global_step % summary_every == 0 or done):
                         bar.write(summary_lines(latest, self.global_step, self.total_steps))
                     if done:
@@ -656,6 +678,8 @@ class HacpoTrainer:
                     break
         finally:
             bar.close()
+            if self.progress_lines is not None:
+                self.progress_lines.close()
             self.verifier.close()
         return last
 

@@ -79,6 +79,7 @@ def test_naive_settings_imply_plain_baseline():
          r"actor_rollout_ref\.actor\.ppo_micro_batch_size_per_gpu=5 does not divide the 32 rows of one mini-batch per GPU"),
         (["actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=3"],
          r"log_prob_micro_batch_size_per_gpu=3 does not divide the 32 own responses per GPU"),
+        (["trainer.max_actor_ckpt_to_keep=0"], r"trainer\.max_actor_ckpt_to_keep=0: the number of newest joint checkpoints kept, >= 1"),
         (["trainer.replay_samples_dir=/nonexistent/tapes"],
          r"trainer\.replay_samples_dir='/nonexistent/tapes' \(qwen_char\): no \.jsonl tape in /nonexistent/tapes/qwen_char"),
         (["trainer.record_samples_dir=/tmp/tapes", "actor_rollout_ref.rollout.full_determinism=false"],

@@ -119,3 +119,17 @@ def test_naive_sharing_with_agents_sharing_one_pool_taking_turns(tmp_path, warm_
         peer = [n for n in names if n != name][0]
         assert steps[2][f"agent/{name}/omega/{peer}"] == 1.0
         assert_weights_changed(warm_agent_paths[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
+
+
+def test_val_only_validates_the_agents_and_trains_nothing(tmp_path, warm_agent_paths):
+    """verl's `trainer.val_only`: the held-out accuracy of each agent at step 0, then exit; no
+    update, no checkpoint."""
+    kinds = ["qwen2-char-small", "llama-pair-medium"]
+    records = run_main(str(tmp_path), agent_overrides(warm_agent_paths, kinds) + ["trainer.val_only=true"])
+    assert [r["step"] for r in records] == [0]
+    metrics = records[0]["data"]
+    for name in ("qwen_char", "llama_pair"):
+        accuracy = [v for k, v in metrics.items() if k.startswith(f"agent/{name}/val/")]
+        assert len(accuracy) == 1 and 0 <= accuracy[0] <= 1
+    assert not any("/actor/" in k for k in metrics)
+    assert not os.path.exists(os.path.join(tmp_path, "ckpt", "global_step_1"))

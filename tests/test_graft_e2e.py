@@ -8,6 +8,8 @@ the real Qwen3 and Llama-3 tokenizers (`tiny_agents.REAL_ARCH_KINDS`)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -117,8 +119,6 @@ def test_graft_two_agents_learner_batches(graft_run, warm_real_agent_paths):
 
 def test_graft_resume_continues_from_checkpoint_and_evaluates_it(graft_run, warm_real_agent_paths, tmp_path):
     import json
-    import subprocess
-    import sys
 
     from helpers.evaluation import write_bench as _bench
 
@@ -144,6 +144,47 @@ def test_graft_resume_continues_from_checkpoint_and_evaluates_it(graft_run, warm
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert set(json.loads((ev_out / "metrics.json").read_text())) == {f"graft/{n}" for n in PAIR_NAMES}
+
+
+def test_export_gives_each_agent_a_hugging_face_folder_with_the_trainers_log_probs(graft_run, tmp_path):
+    """`python -m recipe_hacpo.export` of step 1: one folder per agent that transformers loads, whose
+    fp32 log-probs of step 2's own responses are the old log-probs the trainer computed with the
+    same weights (before step 2's update): within 1e-5 (+1e-6 relative; measured 8e-6 at most)."""
+    from transformers import AutoModelForCausalLM
+    from verl import DataProto
+    from verl.utils.torch_functional import logprobs_from_logits
+
+    out, _, _ = graft_run
+    exported = tmp_path / "hf"
+    proc = subprocess.run([sys.executable, "-m", "recipe_hacpo.export", f"{out}/ckpt", "--step", "1", "--out", str(exported)],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(os.listdir(exported)) == sorted(PAIR_NAMES)
+    for name in PAIR_NAMES:
+        folder = exported / name
+        assert {"model.safetensors", "config.json", "tokenizer.json", "generation_config.json", "chat_template.jinja"} <= set(os.listdir(folder))
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        batch = DataProto.load_from_disk(os.path.join(out, "batches", "step_2", f"{name}.pkl"))
+        T = batch.batch["responses"].shape[1]
+        mask = batch.batch["response_mask"].bool()
+        own = torch.nonzero(~batch.batch[K.IS_CROSS]).flatten()
+        assert len(own) == PROMPTS * G
+        with torch.no_grad():
+            logits = model(input_ids=batch.batch["input_ids"][own], attention_mask=batch.batch["attention_mask"][own],
+                           position_ids=batch.batch["position_ids"][own]).logits[:, -T - 1:-1].float()
+        got = logprobs_from_logits(logits, batch.batch["responses"][own])[mask[own]]
+        want = batch.batch["old_log_probs"][own][mask[own]]
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-6)
+    # a bf16 export says so in its config, for from_pretrained(dtype="auto") and vLLM
+    proc = subprocess.run([sys.executable, "-m", "recipe_hacpo.export", f"{out}/ckpt/global_step_1", "--agents", "qwen3",
+                           "--dtype", "bfloat16", "--out", str(tmp_path / "bf16")], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert os.listdir(tmp_path / "bf16") == ["qwen3"]
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16" / "qwen3", dtype="auto").dtype == torch.bfloat16
+    proc = subprocess.run([sys.executable, "-m", "recipe_hacpo.export", f"{out}/ckpt", "--agents", "gemma", "--out", str(tmp_path / "x")],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines()[-1].startswith("error: ")
+    assert "no agent 'gemma' (it holds llama3, qwen3)" in proc.stderr and not os.path.exists(tmp_path / "x")
 
 
 def test_replay_of_a_recorded_peer_trains_one_agent_alone(graft_run, tmp_path, warm_real_agent_paths):

@@ -566,7 +566,8 @@ def test_e2e_sigusr1_to_the_process_group_mid_step_then_sigterm_mid_checkpoint_e
     assert "hacpo: stopped to be resumed at step 1: " in text
     # the checkpoint of step 1 is complete and latest; nothing of step 2 was saved or logged
     assert open(os.path.join(ckpt, LATEST_FILE)).read().strip() == "1"
-    assert sorted(os.listdir(ckpt)) == ["global_step_1", LATEST_FILE]
+    # beside the checkpoints: the run's TensorBoard files (recipe_hacpo/run_metrics.py)
+    assert sorted(os.listdir(ckpt)) == ["global_step_1", LATEST_FILE, "tensorboard"]
     assert checkpoint_problem(os.path.join(ckpt, "global_step_1"), NAMES) is None
     assert sorted(_steps(out)) == [1]
     assert json.load(open(tmp_path / "stop.json"))["step"] == 1

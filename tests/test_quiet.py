@@ -10,7 +10,7 @@ import sys
 
 from omegaconf import OmegaConf
 
-from recipe_hacpo.main import logger_backends
+from recipe_hacpo.run_metrics import backends as logger_backends
 from recipe_hacpo.trainer import summary_lines
 
 # A fresh interpreter, as a Ray worker is: `import verl` loads the plugin, then the two verl
@@ -99,8 +99,11 @@ def test_summary_line_per_agent():
 
 
 def test_console_logger_is_replaced_by_short_lines_only_when_quiet():
-    cfg = OmegaConf.create({"trainer": {"logger": ["console", "file"], "summary_every": 5}})
-    assert logger_backends(cfg, verbose=False) == ["file"]
-    assert logger_backends(cfg, verbose=True) == ["console", "file"]
+    cfg = OmegaConf.create({"trainer": {"logger": ["console"], "summary_every": 5}})
+    # the run's metrics.jsonl and TensorBoard files are always written, whatever the list says
+    assert logger_backends(cfg, verbose=False) == ["file", "tensorboard"]
+    assert logger_backends(cfg, verbose=True) == ["console", "file", "tensorboard"]
     cfg.trainer.summary_every = 0  # no short lines: the console keeps verl's full line
-    assert logger_backends(cfg, verbose=False) == ["console", "file"]
+    assert logger_backends(cfg, verbose=False) == ["console", "file", "tensorboard"]
+    cfg.trainer.logger = ["wandb", "file"]
+    assert logger_backends(cfg, verbose=False) == ["wandb", "file", "tensorboard"]

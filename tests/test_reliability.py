@@ -137,6 +137,86 @@ def test_torn_write_never_becomes_latest_and_is_skipped(tmp_path):
     assert open(os.path.join(root, LATEST_FILE)).read() == "3"
 
 
+def test_a_resume_onto_another_gpu_count_is_refused_before_ray_naming_both_layouts(tmp_path, demo_overrides):
+    import json
+
+    from helpers.compose import compose_config
+
+    from recipe_hacpo.config import ConfigError, agent_specs
+    from recipe_hacpo.main import check_resume_layout
+
+    root = str(tmp_path / "ckpt")
+    run_steps(make_trainer(root), 2)  # each agent written by one rank (model_world_size_1_rank_0.pt)
+    with open(os.path.join(root, "global_step_2", "llama_pair", "actor", "fsdp_config.json"), "w") as f:
+        json.dump({"FSDP_version": 2, "world_size": 1}, f)  # what verl's FSDP checkpoint writes beside it
+
+    def check(*extra):
+        cfg = compose_config("hacpo_cpu_demo", [*demo_overrides, f"trainer.default_local_dir={root}", *extra])
+        check_resume_layout(cfg, agent_specs(cfg))
+
+    check("trainer.resume_mode=auto")
+    with pytest.raises(ConfigError, match=r"^resume from \S*global_step_2: agent llama_pair was saved by 1 GPU rank\(s\), "
+                                          r"this run gives it 2 \(agents\[1\]\.n_gpus_per_node x nnodes"):
+        check("trainer.resume_mode=auto", "agents.1.n_gpus_per_node=2")
+    with pytest.raises(ConfigError, match=r"agent qwen_char was saved by 1 GPU rank\(s\), this run gives it 3"):
+        check("trainer.resume_mode=auto", "agents.0.n_gpus_per_node=0", "trainer.n_gpus_per_node=3")
+    with pytest.raises(ConfigError, match="global_step_1: agent llama_pair"):
+        check("trainer.resume_mode=resume_path", f"trainer.resume_from_path={root}/global_step_1", "agents.1.nnodes=2")
+    check("trainer.resume_mode=disable", "agents.1.n_gpus_per_node=2")  # a new run: nothing to resume
+
+
+def test_retention_keeps_the_newest_complete_checkpoints_and_a_kill_while_pruning_leaves_a_resumable_folder(
+    tmp_path, monkeypatch, capsys
+):
+    """`trainer.max_actor_ckpt_to_keep=2`: older checkpoints go once a newer one is published, the
+    one a run resumed from stays until two newer ones are complete, a torn write removes nothing,
+    and a kill while a checkpoint is being deleted leaves nothing a resume could take for one."""
+    import shutil
+
+    from recipe_hacpo import reliability
+
+    root = str(tmp_path)
+
+    def trainer():
+        t = make_trainer(root)
+        t.config.trainer.max_actor_ckpt_to_keep = 2
+        return t
+
+    def entries():
+        return sorted(os.listdir(root))
+
+    t = trainer()
+    run_steps(t, 2)
+    assert entries() == ["global_step_1", "global_step_2", LATEST_FILE]
+    run_steps(t, 1)
+    assert entries() == ["global_step_2", "global_step_3", LATEST_FILE]
+    assert "hacpo: removed checkpoint global_step_1 (trainer.max_actor_ckpt_to_keep=2)" in capsys.readouterr().out
+
+    r = trainer()
+    assert r.load_checkpoint() and r.global_step == 3
+    r.agents["llama_pair"].fail_on_save = True
+    with pytest.raises(AgentError):
+        run_steps(r, 1)  # step 4 torn: the complete ones are still 2 and 3, nothing goes
+    assert entries() == ["global_step_2", "global_step_3", "global_step_4.tmp", LATEST_FILE]
+    r.agents["llama_pair"].fail_on_save = False
+
+    def killed_while_deleting(path, *args, **kwargs):
+        if str(path).endswith(".pruning"):
+            raise SystemExit("killed")
+        return shutil.rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(reliability, "shutil", SimpleNamespace(rmtree=killed_while_deleting))
+    with pytest.raises(SystemExit):
+        r.save_checkpoint()  # step 4 published, then killed while step 2 is deleted
+    assert entries() == [".global_step_2.pruning", "global_step_3", "global_step_4", LATEST_FILE]
+    resumed = trainer()
+    assert resumed.load_checkpoint() and resumed.global_step == 4
+    monkeypatch.undo()
+    run_steps(resumed, 1)  # the next prune sweeps what the kill left
+    assert entries() == ["global_step_4", "global_step_5", LATEST_FILE]
+    assert reliability.prune_checkpoints(root, None, NAMES) == [] and entries()[:2] == ["global_step_4", "global_step_5"]
+
+
 @pytest.mark.parametrize(
     "damage, expected_step, skipped",
     [

@@ -257,5 +257,5 @@ def test_a_withheld_sync_stops_the_run_before_the_update_and_keeps_the_last_chec
     # nothing of step 2 was trained on or saved
     assert not os.path.exists(os.path.join(out, "batches", "step_2"))
     assert open(os.path.join(out, "ckpt", LATEST_FILE)).read().strip() == "1"
-    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["global_step_1", LATEST_FILE]
+    assert sorted(os.listdir(os.path.join(out, "ckpt"))) == ["global_step_1", LATEST_FILE, "tensorboard"]
     assert checkpoint_problem(os.path.join(out, "ckpt", "global_step_1"), ["qwen_char", "llama_pair"]) is None

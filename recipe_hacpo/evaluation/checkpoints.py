@@ -189,11 +189,12 @@ def fold_lora(state: dict, rank: int, alpha: float, actor: str = "checkpoint") -
     return plain
 
 
-def merge_fsdp_checkpoint(actor: str, target: str) -> str:
+def merge_fsdp_checkpoint(actor: str, target: str, dtype: str | None = None) -> str:
     """Merge `actor/model_world_size_*_rank_*.pt` into a Hugging Face dir `target`; returns it.
 
     A LoRA actor (verl's `lora_train_meta.json` beside the shards) has its adapter folded into
-    the base weights, so the result loads like any trained model."""
+    the base weights, so the result loads like any trained model. `dtype` (a torch dtype name)
+    casts the weights and names it in config.json; None keeps the model config's dtype."""
     import json
 
     import torch
@@ -222,7 +223,10 @@ def merge_fsdp_checkpoint(actor: str, target: str) -> str:
     if missing or unexpected:
         what = f"missing {missing[:3]}" if missing else f"unexpected {unexpected[:3]}"
         raise EvalError(f"{actor}: merged weights do not fit {type(skeleton).__name__} ({what}); {_UNSUPPORTED.format(actor=actor)}")
-    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if dtype is not None:
+        dtype = getattr(torch, dtype)
+    else:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
@@ -235,4 +239,7 @@ def merge_fsdp_checkpoint(actor: str, target: str) -> str:
         if os.path.isfile(src) and not name.endswith((".safetensors", ".bin")) and name != "model.safetensors.index.json":
             shutil.copy2(src, os.path.join(target, name))
     save_file({k: v.contiguous() for k, v in merged.items()}, os.path.join(target, "model.safetensors"), metadata={"format": "pt"})
+    if isinstance(dtype, torch.dtype):
+        config.dtype = dtype  # what from_pretrained(dtype="auto") and vLLM read
+        config.save_pretrained(target)
     return target
