@@ -151,7 +151,10 @@ def held_out_rows(task: str, n: int, seed: int = 0) -> list[dict]:
 
 # --------------------------------------------------------------------------- training
 def _record(args: WarmStartArgs) -> dict:
-    return {"version": _VERSION, **asdict(args)}
+    record = {"version": _VERSION, **asdict(args)}
+    if not args.task_rows_only:
+        del record["task_rows_only"]  # as recorded before the option existed (the shipped agents)
+    return record
 
 
 def _identity(record: dict, parent: dict | None = None) -> dict:
