@@ -122,7 +122,7 @@ def test_graft_resume_continues_from_checkpoint_and_evaluates_it(graft_run, warm
 
     from helpers.evaluation import write_bench as _bench
 
-    out, _, kinds = graft_run
+    out, first, kinds = graft_run
     records = run_main(
         out,
         agent_overrides(warm_real_agent_paths, kinds) + GRAFT
@@ -130,7 +130,9 @@ def test_graft_resume_continues_from_checkpoint_and_evaluates_it(graft_run, warm
            "trainer.test_freq=-1", "trainer.resume_mode=auto"],
     )
     steps = train_steps(records)
-    assert sorted(steps) == [3], steps.keys()
+    # the run's metrics file keeps the steps the checkpoint holds and adds the resumed one
+    assert sorted(steps) == [1, 2, 3], steps.keys()
+    assert {s: steps[s] for s in (1, 2)} == train_steps(first)
     assert_finite_losses(steps, PAIR_NAMES)
     ckpt = os.path.join(out, "ckpt")
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "3"
@@ -167,8 +169,8 @@ def test_export_gives_each_agent_a_hugging_face_folder_with_the_trainers_log_pro
         batch = DataProto.load_from_disk(os.path.join(out, "batches", "step_2", f"{name}.pkl"))
         T = batch.batch["responses"].shape[1]
         mask = batch.batch["response_mask"].bool()
-        own = torch.nonzero(~batch.batch[K.IS_CROSS]).flatten()
-        assert len(own) == PROMPTS * G
+        own = torch.nonzero(~batch.batch[K.IS_CROSS]).flatten()  # grafted groups replaced some of them
+        assert len(own) >= G
         with torch.no_grad():
             logits = model(input_ids=batch.batch["input_ids"][own], attention_mask=batch.batch["attention_mask"][own],
                            position_ids=batch.batch["position_ids"][own]).logits[:, -T - 1:-1].float()
