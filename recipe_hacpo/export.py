@@ -19,7 +19,7 @@ from typing import Sequence
 
 from recipe_hacpo import quiet  # noqa: F401  (no progress bars unless HACPO_VERBOSE=1)
 from recipe_hacpo.evaluation import EvalError
-from recipe_hacpo.evaluation.checkpoints import merge_fsdp_checkpoint, path_name
+from recipe_hacpo.evaluation.checkpoints import checkpoint_agents, merge_fsdp_checkpoint, path_name
 from recipe_hacpo.reliability import CheckpointError, checkpoint_problem, find_resume_checkpoint
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -47,10 +47,6 @@ def step_folder(run: str, step: int | None) -> str:
     return folder
 
 
-def agents_in(folder: str) -> list[str]:
-    return sorted(d for d in os.listdir(folder) if os.path.isdir(os.path.join(folder, d, "actor")))
-
-
 def export(run: str, out: str, *, step: int | None = None, agents: Sequence[str] | None = None,
            dtype: str | None = None) -> dict[str, str]:
     """{agent: exported folder}; every check (the checkpoint, the agents, the dtype) comes before
@@ -58,7 +54,7 @@ def export(run: str, out: str, *, step: int | None = None, agents: Sequence[str]
     if dtype is not None and dtype not in DTYPES:
         raise EvalError(f"--dtype {dtype}: one of {', '.join(DTYPES)}")
     folder = step_folder(run, step)
-    found = agents_in(folder)
+    found = checkpoint_agents(folder)
     chosen = list(agents) if agents else found
     missing = [a for a in chosen if a not in found]
     if missing:

@@ -46,23 +46,14 @@ def check_resume_layout(cfg: DictConfig, specs) -> None:
     """A resume onto another per-agent GPU count fails inside verl's workers, minutes in: name
     both layouts here instead. The checkpoint is the one the trainer will load (or none)."""
     from recipe_hacpo.config import data_parallel_world
-    from recipe_hacpo.reliability import CheckpointError, checkpoint_problem, find_resume_checkpoint, saved_world_size
+    from recipe_hacpo.reliability import CheckpointError, checkpoint_to_resume, saved_world_size
 
-    names = [s.name for s in specs]
-    mode = str(cfg.trainer.resume_mode)
-    if mode == "disable":
+    try:
+        path = checkpoint_to_resume(cfg.trainer, [s.name for s in specs]).path
+    except CheckpointError:
+        return  # the trainer's own one-line error
+    if path is None:
         return
-    if mode == "resume_path":
-        path = str(cfg.trainer.resume_from_path)
-        if checkpoint_problem(path, names) is not None:
-            return  # the trainer's own one-line error
-    else:
-        try:
-            path = find_resume_checkpoint(str(cfg.trainer.default_local_dir), names).path
-        except CheckpointError:
-            return  # the trainer's own one-line error
-        if path is None:
-            return
     for s in specs:
         saved, world = saved_world_size(os.path.join(path, s.name, "actor")), data_parallel_world(cfg, s)
         if saved is not None and saved != world:

@@ -1,6 +1,7 @@
 """Failure handling the trainer relies on, kept free of Ray so each piece is testable alone.
 
     find_resume_checkpoint   the newest *complete* checkpoint under a root (torn ones skipped)
+    checkpoint_to_resume     the checkpoint trainer.resume_mode asks for (or none)
     prune_checkpoints        keep the newest K complete checkpoints (trainer.max_actor_ckpt_to_keep)
     saved_world_size         how many ranks wrote an agent's actor state in a checkpoint
     checkpoint_problem       why a checkpoint directory cannot be loaded, or None
@@ -26,7 +27,6 @@ import torch
 STATE_FILE = "hacpo_state.pt"
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 _STEP_DIR = re.compile(r"^global_step_(\d+)$")
-_SHARD = re.compile(r"^model_world_size_(\d+)_rank_\d+\.pt$")
 # a checkpoint on its way out: renamed first (one atomic step, after which no resume can choose
 # it), then deleted; a kill in between leaves only this name behind, swept by the next prune
 _PRUNING = re.compile(r"^\.global_step_\d+\.pruning$")
@@ -123,6 +123,23 @@ def find_resume_checkpoint(root: str, agent_names: Sequence[str] | None = None) 
     return ResumeChoice(None, skipped)
 
 
+def checkpoint_to_resume(trainer_cfg: Any, agent_names: Sequence[str]) -> ResumeChoice:
+    """The checkpoint `trainer.resume_mode` asks for (`path` None: a fresh start): none with
+    `disable`, `trainer.resume_from_path` with `resume_path` (CheckpointError when incomplete),
+    else the newest complete one under `trainer.default_local_dir`."""
+    mode = str(trainer_cfg.resume_mode)
+    if mode == "disable":
+        return ResumeChoice(None, [])
+    if mode == "resume_path":
+        path = str(trainer_cfg.resume_from_path)
+        problem = checkpoint_problem(path, agent_names)
+        if problem is not None:
+            raise CheckpointError(f"trainer.resume_from_path={path!r}: {problem}; not a complete HACPO checkpoint")
+        return ResumeChoice(path, [])
+    # the newest complete checkpoint: torn ones (killed mid-write) are never loaded
+    return find_resume_checkpoint(str(trainer_cfg.default_local_dir), agent_names)
+
+
 def saved_world_size(actor_dir: str) -> int | None:
     """The data-parallel world that wrote `actor_dir` (verl's FSDP checkpoint: its
     fsdp_config.json, else the `model_world_size_W_rank_R.pt` shard names); None if unknown."""
@@ -131,7 +148,10 @@ def saved_world_size(actor_dir: str) -> int | None:
             return int(json.load(f)["world_size"])
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    sizes = {int(m.group(1)) for e in (os.listdir(actor_dir) if os.path.isdir(actor_dir) else ()) if (m := _SHARD.match(e))}
+    from recipe_hacpo.workers.verl_touchpoints import FSDP_SHARD_RE
+
+    entries = os.listdir(actor_dir) if os.path.isdir(actor_dir) else ()
+    sizes = {int(m.group(1)) for e in entries if (m := FSDP_SHARD_RE.match(e))}
     return sizes.pop() if len(sizes) == 1 else None
 
 

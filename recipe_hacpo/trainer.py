@@ -53,9 +53,8 @@ from recipe_hacpo.reliability import (
     CheckpointError,
     check_learner_batch,
     check_update_metrics,
-    checkpoint_problem,
+    checkpoint_to_resume,
     describe_failure,
-    find_resume_checkpoint,
     prune_checkpoints,
 )
 from recipe_hacpo.progress import ProgressLines
@@ -496,23 +495,13 @@ class HacpoTrainer:
 
     def load_checkpoint(self) -> bool:
         """Resume from the latest complete checkpoint, if `trainer.resume_mode` allows."""
-        mode = str(self.config.trainer.resume_mode)
-        if mode == "disable":
-            return False
         names = [s.name for s in self.specs]
-        if mode == "resume_path":
-            path = str(self.config.trainer.resume_from_path)
-            problem = checkpoint_problem(path, names)
-            if problem is not None:
-                raise CheckpointError(f"trainer.resume_from_path={path!r}: {problem}; not a complete HACPO checkpoint")
-        else:
-            # the newest complete checkpoint: torn ones (killed mid-write) are never loaded
-            choice = find_resume_checkpoint(self.checkpoint_root, names)
-            for torn in choice.skipped:
-                print(f"WARN: skipping incomplete checkpoint {torn}", flush=True)
-            if choice.path is None:
-                return False
-            path = choice.path
+        choice = checkpoint_to_resume(self.config.trainer, names)
+        for torn in choice.skipped:
+            print(f"WARN: skipping incomplete checkpoint {torn}", flush=True)
+        if choice.path is None:
+            return False
+        path = choice.path
         try:
             state = torch.load(os.path.join(path, STATE_FILE), weights_only=False)
         except Exception as exc:

@@ -76,10 +76,15 @@ def agent_checkpoints(spec: str) -> list[tuple[str, str]]:
             step_dir = os.path.join(path, f"global_step_{int(f.read().strip())}")
     if not os.path.isdir(step_dir):
         raise EvalError(f"--agents-from {spec}: no such directory {step_dir}")
-    agents = sorted(d for d in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, d, "actor")))
+    agents = checkpoint_agents(step_dir)
     if not agents:
         raise EvalError(f"--agents-from {spec}: no <agent>/actor folders in {step_dir} (expected a trainer checkpoint)")
     return [(f"{prefix}/{a}" if prefix else a, os.path.join(step_dir, a)) for a in agents]
+
+
+def checkpoint_agents(step_dir: str) -> list[str]:
+    """The agents of one `global_step_N` folder: those with an `actor/` folder, sorted."""
+    return sorted(d for d in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, d, "actor")))
 
 
 def path_name(name: str) -> str:
