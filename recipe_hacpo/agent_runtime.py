@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import ray
@@ -43,6 +43,8 @@ class AgentRuntime:
     # [first, end) of the worker group's rendezvous port (placement.master_port_ranges);
     # None: any free port, verl's default
     master_port_range: list[int] | None = None
+    # the workers' record of the last update (`update`): one list per rank, one dict per mini-batch
+    last_update_record: list = field(default_factory=list)
 
     @property
     def ref_in_actor(self) -> bool:
@@ -196,6 +198,8 @@ class AgentRuntime:
         mini_prompts = int(actor.ppo_mini_batch_size)
         mini_rows = mini_prompts * rows_per_prompt
         seed = int(actor.data_loader_seed)  # verl's key (its default 42); 0 is a seed like any other
+        # each row's position before the update order: the loss's per-row record names rows by it
+        batch.batch[K.ROW] = torch.arange(len(batch), dtype=torch.long)
         if bool(batch.batch[K.IS_CROSS].any()):
             # isolated learners keep verl's row order (prompt groups are already contiguous)
             layout = dict(mini_batch_prompts=mini_prompts, dp_size=self.dp_size, seed=seed)

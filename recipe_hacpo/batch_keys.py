@@ -47,6 +47,11 @@ its place (every prompt group keeps its size for the mini-batch layout) with a z
 response_mask and advantage 0: it is in neither the loss, its token and row counts, nor the §2
 group statistics. Absent under share_selection=all."""
 
+ROW = "hacpo_row"
+"""int64 [B] — the row's position in its learner batch as the trainer built it, set by
+`AgentRuntime.update` before the update order permutes the rows: the loss's per-row record
+(ratio, clip) names rows by it (recipe_hacpo/rollout_log.py)."""
+
 # non_tensor_batch (numpy object arrays)
 RESPONSE_TEXT = "hacpo_response_text"
 """object [B] — decoded response text (no special tokens); what crosses tokenizers."""

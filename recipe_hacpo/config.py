@@ -143,8 +143,6 @@ def _validate_rollout_check(cfg: DictConfig, specs: list[AgentSpec]) -> None:
 
 # verl trainer keys this recipe's trainer does not act on: {key: (the value that asks for nothing, what to do)}
 UNHONOURED_VERL_KEYS = {
-    "log_val_generations": (0, "validation samples are not logged; their scores are (val-core/...)"),
-    "rollout_data_dir": (None, "trainer.record_rollouts_dir=DIR keeps every agent's scored rollouts per step under DIR/<agent>/"),
     "validation_data_dir": (None, "validation generations are not dumped"),
     "balance_batch": (False, "a learner batch keeps its group order across data-parallel ranks"),
     "default_hdfs_dir": (None, "checkpoints stay under trainer.default_local_dir; copy them from there"),

@@ -39,6 +39,7 @@ __all__ = [
     "cross_lower_bound",
     "exponential_is_weight",
     "hacpo_policy_loss_matrix",
+    "row_clipped",
     "seq_mean_token_mean",
     "compute_hacpo_policy_loss",
 ]
@@ -465,6 +466,7 @@ def hacpo_policy_loss_matrix(
     clip_ratio_high: float = 4e-4,
     cross_ratio_length: str = DEFAULTS.cross_ratio_length,
     source_response_length: torch.Tensor | None = None,
+    rows: dict | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Per-token HACPO loss ℓ_{i,t}, [B, T], and its metrics (spec §6).
 
@@ -483,6 +485,9 @@ def hacpo_policy_loss_matrix(
 
     Computed in `accumulation_dtype(log_prob.dtype)` (float32 for bf16 log-probs); the loss
     matrix comes back in that dtype and the gradient flows back to `log_prob` in its own.
+
+    `rows`, when given, receives each row's sequence ratio s_i ("ratio", [B]) and whether the
+    clip took its gradient away at this update ("clipped", bool [B], `row_clipped`).
     """
     if cross_clip not in CROSS_CLIP_MODES:
         raise ValueError(f"cross_clip must be one of {CROSS_CLIP_MODES}, got {cross_clip!r}")
@@ -539,7 +544,43 @@ def hacpo_policy_loss_matrix(
     metrics = _loss_metrics(
         gspo_1, gspo_2, mask, is_cross, seq_log_ratio, own_log_ratio, lower, cross_clip
     )
+    if rows is not None:
+        with torch.no_grad():
+            ratio = seq_log_ratio.clamp(max=_LOG_RATIO_MAX).exp()
+            row_adv = _masked_row_mean(adv.detach(), mask)
+            rows["ratio"] = ratio
+            rows["clipped"] = row_clipped(ratio, row_adv, is_cross, lower=lower, cross_clip=cross_clip,
+                                          clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high)
     return loss, metrics
+
+
+def row_clipped(
+    ratio: torch.Tensor,
+    advantage: torch.Tensor,
+    is_cross: torch.Tensor,
+    *,
+    lower: float,
+    cross_clip: str,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+) -> torch.Tensor:
+    """bool [B]: the clip takes row i's gradient away at this update (spec §5–§6).
+
+        own row (and every row under cross_clip="gspo"), GSPO's clip:
+            A_i > 0 and s_i > 1 + ε_high,  or  A_i < 0 and s_i < 1 − ε_low
+        cross row, stepwise / fixed:  s_i < lower_m  or  s_i > 1   (c_i = clip(s_i, lower_m, 1))
+        cross row, none:              never
+    """
+    ratio, advantage = ratio.reshape(-1), advantage.reshape(-1)
+    is_cross = torch.as_tensor(is_cross, device=ratio.device).to(torch.bool).reshape(-1)
+    gspo = ((advantage > 0) & (ratio > 1 + clip_ratio_high)) | ((advantage < 0) & (ratio < 1 - clip_ratio_low))
+    if cross_clip == "gspo":
+        return gspo
+    if cross_clip in ("stepwise", "fixed"):
+        cross = (ratio < lower) | (ratio > 1.0)
+    else:
+        cross = torch.zeros_like(gspo)
+    return torch.where(is_cross, cross, gspo)
 
 
 def _loss_metrics(

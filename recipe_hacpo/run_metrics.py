@@ -12,7 +12,8 @@ The JSONL file is appended to, not rewritten: a resumed or requeued run keeps th
 steps it resumed after and drops only the lines of steps it is about to log again (those of the
 attempt that was stopped after its last checkpoint), so the file holds each step once.
 `VERL_FILE_LOGGER_PATH`, when set, names the file instead (as for verl's file logger), and
-`TENSORBOARD_DIR` the event folder.
+`TENSORBOARD_DIR` the event folder. With `trainer.log_val_generations` = n, n samples of each
+agent's validation go to `val_generations.jsonl` beside the metrics (and to wandb / TensorBoard).
 
 With `wandb` in `trainer.logger`, the run's wandb id is kept in `metrics_dir/wandb_run_id`: a
 resumed or requeued run continues the same wandb run (`WANDB_RUN_ID`, `WANDB_RESUME=allow`,
@@ -30,6 +31,7 @@ from omegaconf import DictConfig
 from recipe_hacpo.hacpo_settings import ConfigError
 
 JSONL_NAME, TENSORBOARD_NAME, WANDB_ID_FILE = "metrics.jsonl", "tensorboard", "wandb_run_id"
+GENERATIONS_NAME = "val_generations.jsonl"  # trainer.log_val_generations
 # always on; "file" is this module's writer, not verl's (which truncates its file at every start)
 ALWAYS = ("file", "tensorboard")
 
@@ -114,7 +116,10 @@ class RunMetrics:
 
         from omegaconf import OmegaConf
 
-        chosen = backends(cfg, verbose)
+        chosen = self.chosen = backends(cfg, verbose)
+        self.generations: JsonlMetrics | None = None  # val_generations.jsonl, opened by the first log
+        self._tables: dict[str, list] = {}  # wandb: every row logged so far, per agent
+        self._writer = None  # TensorBoard's writer of the generations' text
         unknown = [b for b in chosen if b not in Tracking.supported_backend]
         if unknown:
             raise ConfigError(f"trainer.logger: unknown backend {unknown[0]!r}; verl knows {', '.join(Tracking.supported_backend)}")
@@ -143,5 +148,50 @@ class RunMetrics:
         self.jsonl.log(data, step)
         self.tracking.log(data=data, step=step)
 
+    def log_generations(self, samples: dict[str, list[tuple[str, str, float]]], n: int, step: int) -> None:
+        """`trainer.log_val_generations` = n: n validation samples of each agent, (input, output,
+        score), chosen by verl's rule (`chosen_samples`). Always into `val_generations.jsonl`
+        beside metrics.jsonl (one line per validation: {"step", "data": {agent: [samples]}},
+        resumed as metrics.jsonl is); with wandb a table `agent/<name>/val/generations` that grows
+        by n rows per validation; a TensorBoard text of the same name."""
+        chosen = {name: chosen_samples(rows, n) for name, rows in samples.items()}
+        if self.generations is None:
+            self.generations = JsonlMetrics(os.path.join(os.path.dirname(self.jsonl.path), GENERATIONS_NAME))
+        self.generations.log({name: [{"input": i, "output": o, "score": float(r)} for i, o, r in rows]
+                              for name, rows in chosen.items()}, step)
+        if "wandb" in self.chosen:
+            import wandb
+
+            for name, rows in chosen.items():
+                table = self._tables.setdefault(name, [])
+                table += [[step, i, o, float(r)] for i, o, r in rows]
+                if wandb.run is not None:
+                    wandb.log({f"agent/{name}/val/generations": wandb.Table(
+                        columns=["step", "input", "output", "score"], data=list(table))}, step=step)
+        writer = self._text_writer()
+        for name, rows in chosen.items():
+            text = "\n\n".join(f"**input** {i}\n\n**output** {o}\n\n**score** {float(r)}" for i, o, r in rows)
+            writer.add_text(f"agent/{name}/val/generations", text, global_step=step)
+        writer.flush()
+
+    def _text_writer(self):
+        if self._writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=os.environ["TENSORBOARD_DIR"])
+        return self._writer
+
     def finish(self, exit_code: int = 0) -> None:
+        if self._writer is not None:
+            self._writer.close()
         self.tracking.finish(exit_code=exit_code)
+
+
+def chosen_samples(rows: list[tuple], n: int) -> list[tuple]:
+    """The n samples verl's trainer logs of a validation (`log_val_generations`): sorted by input,
+    shuffled with seed 42, the first n; the same prompts at every validation."""
+    import numpy as np
+
+    ordered = sorted(rows, key=lambda r: r[0])
+    np.random.RandomState(42).shuffle(ordered)
+    return ordered[:n]

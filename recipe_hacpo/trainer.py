@@ -69,6 +69,7 @@ from recipe_hacpo.preemption import (
     slurm_end_time,
 )
 from recipe_hacpo.replay import RecordedPeer, record_rollouts
+from recipe_hacpo.rollout_log import rollout_rows, write_rollout_log
 from recipe_hacpo.scoring import Verifier, attach_rewards, decode_responses, load_reward_fn
 from verl import DataProto
 from verl.utils.profiler.performance import simple_timer
@@ -85,6 +86,9 @@ class HacpoTrainer:
     _step_decision: str | None = None
     # plain progress lines where no terminal shows the bar (progress.py); set by fit
     progress_lines: ProgressLines | None = None
+    # the last validation's (input, output, score) per agent, kept until logged; with
+    # trainer.log_val_generations > 0 only
+    val_samples: dict = {}
 
     @property
     def method(self) -> Method:
@@ -224,6 +228,10 @@ class HacpoTrainer:
                 self.ref_log_probs(batches)
         with phase("update_actor"):
             self.update(batches, metrics)
+        rollout_dir = self.config.trainer.get("rollout_data_dir")
+        if rollout_dir:  # what sharing did, row by row (rollout_log.py)
+            with phase("rollout_log"):
+                self.log_rollouts(str(rollout_dir), batches)
         with phase("update_weights"):
             self.sync_weights()
         metrics.update({f"timing_s/{k}": v for k, v in timing.items()})
@@ -411,6 +419,15 @@ class HacpoTrainer:
                 group = key if key.startswith(groups) else f"actor/{key}"
                 metrics[f"agent/{name}/{group}"] = value
 
+    def log_rollouts(self, root: str, batches: dict[str, DataProto]) -> None:
+        """`trainer.rollout_data_dir`: each learner's rows of the step, with the ratio and clip
+        each row met in the update (rollout_log.py)."""
+        names = [s.name for s in self.specs]
+        for name, batch in batches.items():
+            agent = self.agents[name]
+            rows = rollout_rows(name, self.global_step, batch, agent.tokenizer, names, agent.last_update_record)
+            write_rollout_log(root, name, self.global_step, rows)
+
     def _dump_learner_batches(self, batches: dict[str, DataProto]) -> None:
         """With `trainer.learner_batch_dir` set, keep the exact batch each learner trains on."""
         root = self.config.trainer.get("learner_batch_dir")
@@ -435,14 +452,22 @@ class HacpoTrainer:
         if self.val_dataloader is None:
             return {}
         sums: dict[str, dict[str, list[float]]] = {n: {} for n in self.agents}
+        keep_samples = int(self.config.trainer.get("log_val_generations", 0) or 0) > 0
+        samples: dict[str, list[tuple[str, str, float]]] = {n: [] for n in self.agents}
         for batch_dict in self.val_dataloader:
             prompts = DataProto.from_single_dict(batch_dict)
             prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
             outputs = self.for_each_agent(lambda a: a.generate(prompts, validate=True, step=self.global_step))
             for name, out in outputs.items():
-                outcome = self.verifier.score(out, self.agents[name].tokenizer)
+                tokenizer = self.agents[name].tokenizer
+                outcome = self.verifier.score(out, tokenizer)
                 for src, r in zip(out.non_tensor_batch["data_source"], outcome.rewards.tolist()):
                     sums[name].setdefault(str(src), []).append(r)
+                if keep_samples:
+                    texts = (tokenizer.batch_decode(out.batch[k], skip_special_tokens=True) for k in ("prompts", "responses"))
+                    samples[name] += zip(*texts, outcome.rewards.tolist())
+        if keep_samples:  # logged with the validation's metrics (`_log`)
+            self.val_samples = samples
         metrics = {}
         for name, per_source in sums.items():
             k = int(self.agents[name].config.actor_rollout_ref.rollout.val_kwargs.n)
@@ -571,6 +596,14 @@ class HacpoTrainer:
         return min(ends) if ends else None
 
     # ================================================================== the loop
+    def _log(self, logger, metrics: dict[str, float]) -> None:
+        """The step's metrics, and the validation samples `trainer.log_val_generations` asks
+        for when this step validated (run_metrics.RunMetrics.log_generations)."""
+        logger.log(data=metrics, step=self.global_step)
+        if self.val_samples:
+            logger.log_generations(self.val_samples, int(self.config.trainer.log_val_generations), self.global_step)
+            self.val_samples = {}
+
     def fit(self, logger, progress: bool = True, summary_every: int = 0) -> dict[str, float]:
         """Validate, train `total_steps` steps, validate/save on their schedule; returns the last
         step's metrics. Every metric goes to `logger`; with `summary_every` > 0, one short line
@@ -591,14 +624,14 @@ class HacpoTrainer:
         latest: dict[str, float] = {}  # newest value of every metric, validation included
         if t.get("val_only", False):  # validate the initial (or resumed) agents, train nothing
             val = self.validate()
-            logger.log(data=val, step=self.global_step)
+            self._log(logger, val)
             tqdm.write(summary_lines(val, self.global_step, self.total_steps))
             return val
         if t.get("val_before_train", True) and not resumed:
             print("hacpo: validating the agents before training", flush=True)
             val = self.validate()
             latest.update(val)
-            logger.log(data=val, step=self.global_step)
+            self._log(logger, val)
             if summary_every > 0:
                 tqdm.write(summary_lines(latest, self.global_step, self.total_steps))
         last: dict[str, float] = {}
@@ -652,7 +685,7 @@ class HacpoTrainer:
                         self.stop_clock.note_checkpoint(time.perf_counter() - saving)
                         saved_step = self.global_step
                     self._announce("step_done")
-                    logger.log(data=metrics, step=self.global_step)
+                    self._log(logger, metrics)
                     last = metrics
                     latest.update(metrics)
                     bar.update(1)

@@ -20,6 +20,8 @@ from recipe_hacpo.core_algos import (
     compute_hacpo_policy_loss,
     cross_lower_bound,
     exponential_is_weight,
+    hacpo_policy_loss_matrix,
+    row_clipped,
 )
 
 F64 = torch.float64
@@ -574,3 +576,33 @@ def test_loss_rejects_unknown_mode_and_bad_shapes():
         compute_hacpo_policy_loss(log_prob, old, adv, mask, update_index=0, cross_clip="x", **kw)
     with pytest.raises(ValueError, match=r"\[B, T\]"):
         compute_hacpo_policy_loss(log_prob, old[:, :2], adv, mask, update_index=0, **kw)
+
+
+def test_row_clipped_names_the_rows_whose_gradient_the_clip_takes_away():
+    """Hand numbers: GSPO's clip on own rows (by the advantage's sign), [lower_m, 1] on cross rows."""
+    ratio = torch.tensor([1.5, 1.5, 0.5, 0.5, 0.85, 0.7, 1.2, 0.9])
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, 1.0, -1.0, 1.0])
+    cross = torch.tensor([False, False, False, False, True, True, True, True])
+    kwargs = dict(lower=0.8, clip_ratio_low=0.2, clip_ratio_high=0.28)
+    assert row_clipped(ratio, adv, cross, cross_clip="stepwise", **kwargs).tolist() == [
+        True, False, False, True, False, True, True, False]
+    assert row_clipped(ratio, adv, cross, cross_clip="none", **kwargs).tolist() == [
+        True, False, False, True, False, False, False, False]
+    # Naive: every row is a GSPO row
+    assert row_clipped(ratio, adv, cross, cross_clip="gspo", **kwargs).tolist() == [
+        True, False, False, True, False, False, False, False]
+
+
+def test_the_per_row_ratios_are_the_ones_the_loss_metrics_summarise():
+    log_prob = torch.tensor([[-1.0, -2.0], [-0.5, -0.5], [-3.0, -1.0]])
+    old = torch.tensor([[-1.1, -2.1], [0.0, 0.0], [0.0, 0.0]])
+    mask = torch.ones_like(log_prob)
+    rows: dict = {}
+    _, metrics = hacpo_policy_loss_matrix(
+        log_prob, old, torch.tensor([1.0, 1.0, -1.0]), mask, is_cross=torch.tensor([False, True, True]),
+        omega=torch.ones(3), source_log_prob_mean=torch.tensor([0.0, -0.4, -1.5]), update_index=0, rows=rows)
+    expected = [math.exp(0.1), math.exp(-0.1), math.exp(-0.5)]
+    assert rows["ratio"].tolist() == pytest.approx(expected, rel=1e-6)
+    assert metrics["hacpo/cross_ratio_min"] == pytest.approx(min(expected[1:]), rel=1e-6)
+    # own row: A > 0 and s = e^0.1 > 1 + 4e-4 (GSPO's tiny window); cross rows: 0.905 in [0.8, 1], 0.61 below
+    assert rows["clipped"].tolist() == [True, False, True]

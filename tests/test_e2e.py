@@ -6,6 +6,7 @@ through vLLM in tests/test_vllm_tier.py."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -125,7 +126,8 @@ def test_val_only_validates_the_agents_and_trains_nothing(tmp_path, warm_agent_p
     """verl's `trainer.val_only`: the held-out accuracy of each agent at step 0, then exit; no
     update, no checkpoint."""
     kinds = ["qwen2-char-small", "llama-pair-medium"]
-    records = run_main(str(tmp_path), agent_overrides(warm_agent_paths, kinds) + ["trainer.val_only=true"])
+    records = run_main(str(tmp_path), agent_overrides(warm_agent_paths, kinds)
+                       + ["trainer.val_only=true", "trainer.log_val_generations=3"])
     assert [r["step"] for r in records] == [0]
     metrics = records[0]["data"]
     for name in ("qwen_char", "llama_pair"):
@@ -133,3 +135,17 @@ def test_val_only_validates_the_agents_and_trains_nothing(tmp_path, warm_agent_p
         assert len(accuracy) == 1 and 0 <= accuracy[0] <= 1
     assert not any("/actor/" in k for k in metrics)
     assert not os.path.exists(os.path.join(tmp_path, "ckpt", "global_step_1"))
+    # trainer.log_val_generations=3: three samples of each agent (verl's choice: by input, seed 42),
+    # in the run folder and in TensorBoard
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    with open(os.path.join(tmp_path, "val_generations.jsonl")) as f:
+        (logged,) = [json.loads(line) for line in f]
+    assert logged["step"] == 0 and sorted(logged["data"]) == ["llama_pair", "qwen_char"]
+    for name, samples in logged["data"].items():
+        assert len(samples) == 3 and all(s["input"] and s["score"] in (0.0, 1.0) for s in samples), samples
+        assert len({s["input"] for s in samples}) == 3 and all("+" in s["input"] for s in samples)
+    events = EventAccumulator(os.path.join(tmp_path, "ckpt", "tensorboard"))
+    events.Reload()
+    assert {"agent/qwen_char/val/generations/text_summary", "agent/llama_pair/val/generations/text_summary"} <= set(
+        events.Tags()["tensors"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,40 +40,88 @@ def test_a_resumed_run_keeps_the_steps_before_its_checkpoint_and_logs_the_rest_o
 
 @pytest.mark.e2e
 @pytest.mark.ray
-def test_a_paper_presets_logger_settings_leave_every_metric_in_the_run_folder_across_a_resume(tmp_path, warm_agent_paths):
-    """`trainer.logger=[console]` and a quiet console (the presets' settings): the run still writes
-    metrics.jsonl and TensorBoard files beside its checkpoints; a resumed run adds to both."""
+def test_a_paper_presets_logger_settings_leave_every_metric_in_the_run_folder_across_a_stop(tmp_path, warm_agent_paths):
+    """`trainer.logger=[console,wandb]` with a quiet console (the presets' console settings) and
+    wandb offline: a run stopped by SIGTERM (exit 75, a requeue's stop) and resumed leaves every
+    step once in metrics.jsonl, TensorBoard's files and one wandb run; `trainer.rollout_data_dir`
+    holds each learner's rows of every step with what the loss did to them."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ckpt = tmp_path / "ckpt"
-    env = {k: v for k, v in os.environ.items() if k not in ("VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR")}
-    env["HACPO_DATA_DIR"] = os.path.join(REPO, "data")
+    from recipe_hacpo.preemption import RESUMABLE_EXIT
+    from recipe_hacpo.run_metrics import WANDB_ID_FILE
 
-    def run(steps: int) -> None:
-        cmd = [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo",
-               *agent_overrides(warm_agent_paths, ["qwen2-char-small", "llama-pair-medium"]),
-               "trainer.logger=[console]", "trainer.summary_every=5", f"trainer.default_local_dir={ckpt}",
-               f"hydra.run.dir={tmp_path}/hydra", f"trainer.total_training_steps={steps}",
-               "trainer.save_freq=1", "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.resume_mode=auto"]
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    ckpt, rollouts = tmp_path / "ckpt", tmp_path / "rollouts"
+    env = {k: v for k, v in os.environ.items() if k not in ("VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_RUN_ID")}
+    env.update(HACPO_DATA_DIR=os.path.join(REPO, "data"), WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wb"))
+
+    def command(steps: int) -> list[str]:
+        return [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo",
+                *agent_overrides(warm_agent_paths, ["qwen2-char-small", "llama-pair-medium"]),
+                "trainer.logger=[console,wandb]", "trainer.summary_every=5", f"trainer.default_local_dir={ckpt}",
+                f"hydra.run.dir={tmp_path}/hydra", f"trainer.total_training_steps={steps}", "trainer.save_freq=1",
+                "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.resume_mode=auto",
+                f"trainer.rollout_data_dir={rollouts}"]
+
+    # run 1: SIGTERM once step 1 is done; the trainer stops at a safe point with a checkpoint
+    with open(tmp_path / "run1.err", "w") as err:
+        proc = subprocess.Popen(command(2), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        out1 = []
+        for line in proc.stdout:
+            out1.append(line)
+            if line.startswith("hacpo: step 1/2 done in "):
+                proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=900) == RESUMABLE_EXIT, "".join(out1)[-4000:] + (tmp_path / "run1.err").read_text()[-4000:]
+    # run 2: resumes from the newest checkpoint and trains to step 3
+    proc2 = subprocess.run(command(3), cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    assert proc2.returncode == 0, proc2.stdout[-4000:] + proc2.stderr[-4000:]
+    for stdout in ("".join(out1), proc2.stdout):
         # no terminal: the progress bar's place is taken by plain lines (a log file can hold them)
-        assert "\r" not in proc.stdout + proc.stderr
-        assert "hacpo: starting the workers of 2 agents (qwen_char, llama_pair)" in proc.stdout
-        assert f"hacpo: step {steps}/{steps} done in " in proc.stdout
+        assert "\r" not in stdout
+        assert "hacpo: starting the workers of 2 agents (qwen_char, llama_pair)" in stdout
+    assert "hacpo: step 3/3 done in " in proc2.stdout
 
-    run(1)
-    run(2)  # resumes from step 1's checkpoint
     records = _lines(ckpt / "metrics.jsonl")
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:
         assert {"agent/qwen_char/actor/pg_loss", "agent/llama_pair/omega/qwen_char", "timing_s/step"} <= set(r["data"])
     events = EventAccumulator(str(ckpt / "tensorboard"))
     events.Reload()
     pg_loss = events.Scalars("agent/qwen_char/actor/pg_loss")
-    assert sorted(e.step for e in pg_loss) == [1, 2]
+    assert sorted(e.step for e in pg_loss) == [1, 2, 3]
     assert [e.value for e in sorted(pg_loss, key=lambda e: e.step)] == pytest.approx(
         [r["data"]["agent/qwen_char/actor/pg_loss"] for r in records], rel=1e-6)
+    # one wandb run across the stop, its steps contiguous in wandb's own files
+    run_id = (ckpt / WANDB_ID_FILE).read_text()
+    runs = sorted((tmp_path / "wb" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
+    assert sorted(s for r in runs for s in _wandb_history_steps(r)) == [1, 2, 3]
+
+    for record in records:
+        check_rollout_log(rollouts, record["step"], record["data"])
+
+
+def check_rollout_log(root, step: int, metrics: dict) -> None:
+    """`trainer.rollout_data_dir` of one step against the step's metrics, read another way."""
+    from recipe_hacpo.hacpo_settings import DEFAULTS
+
+    names = ("qwen_char", "llama_pair")
+    for name in names:
+        peer = next(n for n in names if n != name)
+        rows = _lines(root / name / f"{step}.jsonl")
+        own = [r for r in rows if not r["cross"]]
+        cross = [r for r in rows if r["cross"]]
+        assert {r["source"] for r in own} == {name} and {r["source"] for r in cross} == {peer}
+        assert len(cross) == metrics[f"agent/{name}/cross/rows"] and len(own) == len(cross)  # 4 + 4 a prompt
+        assert all(r["agent"] == name and r["step"] == step and r["input"] and r["in_loss"] for r in rows)
+        assert all(r["omega"] == pytest.approx(metrics[f"agent/{name}/omega/{peer}"], rel=1e-6) for r in cross)
+        assert sum(r["score"] for r in own) / len(own) == pytest.approx(metrics[f"agent/{name}/reward/mean"], abs=1e-6)
+        ratios = [u["ratio"] for r in cross for u in r["updates"]]
+        assert len(ratios) == len(cross)  # one epoch: every row at one update
+        assert min(ratios) == pytest.approx(metrics[f"agent/{name}/hacpo/cross_ratio_min"], rel=1e-6)
+        assert max(ratios) == pytest.approx(metrics[f"agent/{name}/hacpo/cross_ratio_max"], rel=1e-6)
+        low = [u["ratio"] < min(1.0, 1 - DEFAULTS.delta + u["m"] * DEFAULTS.delta_step) for r in cross for u in r["updates"]]
+        high = [u["ratio"] > 1 for r in cross for u in r["updates"]]
+        assert [u["clipped"] for r in cross for u in r["updates"]] == [a or b for a, b in zip(low, high)]
 
 
 def _wandb_history_steps(run_dir) -> list[int]:
@@ -146,3 +195,23 @@ def test_an_unknown_backend_is_one_line_before_anything_starts(tmp_path):
     with pytest.raises(ConfigError, match=r"^trainer\.logger: unknown backend 'wandbb'; verl knows wandb, "):
         RunMetrics(cfg, verbose=True)
     assert not os.listdir(tmp_path)
+
+
+def test_the_validation_samples_logged_are_the_ones_verls_trainer_picks():
+    """`trainer.log_val_generations`: the same n samples verl's own trainer would log."""
+    from types import SimpleNamespace
+
+    from verl.trainer.ppo.ray_trainer import RayPPOTrainer
+
+    from recipe_hacpo.run_metrics import chosen_samples
+
+    rows = [(f"{a}+{b}=", str(a + b + (a % 3 == 0)), float(a % 3 != 0)) for a in range(9) for b in range(4)]
+    picked = {}
+    verl_side = SimpleNamespace(
+        config=SimpleNamespace(trainer=SimpleNamespace(log_val_generations=5, logger=["console"])),
+        global_steps=7,
+        validation_generations_logger=SimpleNamespace(log=lambda loggers, samples, step: picked.update(samples=samples)),
+    )
+    RayPPOTrainer._maybe_log_val_generations(verl_side, *map(list, zip(*rows)))
+    assert [tuple(s) for s in picked["samples"]] == chosen_samples(rows, 5)
+    assert len(set(chosen_samples(rows, 5))) == 5

@@ -43,6 +43,25 @@ def test_every_mini_batch_mixes_own_and_cross_rows_and_m_advances(ray_cluster, t
     assert metrics["hacpo/min_cross_rows"] > 0 and metrics["hacpo/min_own_rows"] > 0
     assert np.isfinite(metrics["actor/pg_loss"])
 
+    # the loss's per-row record (trainer.rollout_data_dir): every row once, at its own update,
+    # named by its position in the batch the trainer built (before the update order)
+    from recipe_hacpo.rollout_log import row_updates
+
+    updates = row_updates(record)
+    assert sorted(updates) == list(range(len(batch)))
+    assert all(len(u) == 1 for u in updates.values())  # one epoch: one update per row
+    cross = batch.batch[K.IS_CROSS]
+    first = [u for i, (u,) in updates.items() if u["m"] == 0 and not cross[i]]
+    assert first and all(u["ratio"] == pytest.approx(1.0, abs=1e-5) for u in first)  # on-policy at m = 0
+    cross_ratios = [u["ratio"] for i, (u,) in updates.items() if cross[i]]
+    # the same ratios the loss summarised in its metrics, read through another path
+    assert min(cross_ratios) == pytest.approx(metrics["hacpo/cross_ratio_min"], rel=1e-6)
+    assert max(cross_ratios) == pytest.approx(metrics["hacpo/cross_ratio_max"], rel=1e-6)
+    bounds = [0.8, 0.825, 0.85, 0.875]
+    for i, (u,) in updates.items():
+        if cross[i]:
+            assert u["clipped"] == (u["ratio"] < bounds[u["m"]] or u["ratio"] > 1.0)
+
 
 def _verl_reference(model_path: str, batch, loss_mode: str, agg: str, clip: tuple[float, float]):
     """verl's own policy loss and its gradient norm on `batch`, computed here without Ray."""

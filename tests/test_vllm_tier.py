@@ -422,13 +422,18 @@ def test_three_agents_and_the_check_sees_a_withheld_sync(vllm_agents, ray_tmp, t
 
 
 # ----------------------------------------------------------------------------- evaluation
-def test_evaluate_a_trained_checkpoint_through_vllm(reference, tmp_path):
-    """One vLLM engine per checkpoint process, greedy on the 64 validation prompts: the same
-    accuracy the trainer's validation (its vLLM servers, same weights) logged at step 2."""
+def test_an_exported_checkpoint_loads_in_vllm_with_the_trainers_accuracy(reference, tmp_path):
+    """`python -m recipe_hacpo.export` of step 2, then one vLLM engine per exported folder, greedy
+    on the 64 validation prompts: the same accuracy the trainer's validation (its vLLM servers,
+    same weights) logged at step 2."""
     ref_out, ref_steps, _ = reference
-    out = str(tmp_path / "eval")
+    exported, out = tmp_path / "hf", str(tmp_path / "eval")
+    proc = subprocess.run([sys.executable, "-m", "recipe_hacpo.export", os.path.join(ref_out, "ckpt"), "--step", "2",
+                           "--out", str(exported)], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = [f"{name}={exported / name}" for name in sorted(os.listdir(exported))]
     cmd = [sys.executable, "-m", "recipe_hacpo.evaluate", "--backend", "vllm",
-           "--agents-from", os.path.join(ref_out, "ckpt", "global_step_2"),
+           *(arg for row in rows for arg in ("--checkpoint", row)),
            "--bench", f"add1={os.path.join(REPO, 'data', 'arith_add1_test.parquet')}",
            "--max-new-tokens", "8", "--max-prompt-length", "32", "--limit", "64", "--out", out]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)

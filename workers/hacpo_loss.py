@@ -53,6 +53,7 @@ class PolicyTerm:
     own_rows: int
     cross_rows: int
     lower_bound: float | None = None  # HACPO's stepwise bound this micro-batch used; None: no bound
+    rows: dict | None = None  # per row in the loss: {"row": K.ROW ids, "ratio": s_i, "clipped": bool}
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,9 @@ def actor_loss(
     attaches, so gradient accumulation over micro-batches and data-parallel ranks gives the
     mini-batch mean; the entropy and KL terms follow verl's actor loss with the objective's
     aggregation. `hacpo` is the run's effective `algorithm.hacpo` (`HacpoSettings.effective`).
-    `record(update_index=, lower_bound=, own_rows=, cross_rows=)`, when given, receives what
-    this micro-batch's loss used (the worker keeps it per mini-batch, see hacpo_worker).
+    `record(update_index=, lower_bound=, own_rows=, cross_rows=, rows=)`, when given, receives what
+    this micro-batch's loss used (the worker keeps it per mini-batch, see hacpo_worker); `rows`
+    is the objective's per-row record when it keeps one (HACPO's ratio and clip), else None.
     """
     from verl.utils.metric import Metric
 
@@ -93,7 +95,7 @@ def actor_loss(
     term = objective.term(micro)
     if record is not None:
         record(update_index=update_index, lower_bound=term.lower_bound, own_rows=term.own_rows,
-               cross_rows=term.cross_rows)
+               cross_rows=term.cross_rows, rows=term.rows)
     metrics = term.metrics
     metrics["actor/pg_loss"] = Metric(value=term.pg_loss, aggregation=aggregation)
     total = _regularised(

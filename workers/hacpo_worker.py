@@ -96,7 +96,8 @@ class HacpoTrainingWorker(TrainingWorker):
         self._micro_records.append(entry)
 
     def _mini_batch_record(self, data: TensorDict) -> dict:
-        """m, the loss's lower bound (None under verl's own loss) and this rank's row counts."""
+        """m, the loss's lower bound (None under verl's own loss) and this rank's row counts; with
+        the rows' ids in the batch (`batch_keys.ROW`), HACPO's ratio and clip of each row."""
         cross = data[K.IS_CROSS].bool() if K.IS_CROSS in data.keys() else None
         record = {
             "update_index": self._update_index,
@@ -111,6 +112,9 @@ class HacpoTrainingWorker(TrainingWorker):
                 raise RuntimeError(f"HACPO: micro-batches of one mini-batch used bounds {bounds} at m {steps}")
             record["lower_bound"] = bounds.pop()
             record["loss_rows"] = sum(r["own_rows"] + r["cross_rows"] for r in self._micro_records)
+            per_row = [r["rows"] for r in self._micro_records if r.get("rows") is not None]
+            if per_row:  # the objective's per-row record (rows in the loss: ratio, clip)
+                record["rows"] = {k: [v for r in per_row for v in r[k]] for k in per_row[0]}
         return record
 
 

@@ -52,6 +52,8 @@ def hacpo_policy_term(mb: MicroBatch) -> PolicyTerm:
     from verl.utils.metric import AggregationType, Metric
 
     padded, hacpo = mb.padded, mb.hacpo
+    # each row's ratio and clip, kept when the rows carry their ids (recipe_hacpo/rollout_log.py)
+    per_row = {} if K.ROW in mb.data.keys() else None
     loss_mat, pg_metrics = hacpo_policy_loss_matrix(
         mb.log_prob,
         padded["old_log_probs"],
@@ -69,6 +71,7 @@ def hacpo_policy_term(mb: MicroBatch) -> PolicyTerm:
         clip_ratio_high=clip_ratio(mb.actor_config, "high"),
         cross_ratio_length=hacpo.cross_ratio_length,
         source_response_length=padded.get(K.SOURCE_RESPONSE_LENGTH, None),
+        rows=per_row,
     )
     is_cross = padded[K.IS_CROSS].bool()
     pg_loss = agg_loss(loss_mat, mb.response_mask, "seq-mean-token-mean", **mb.batch_info)
@@ -82,7 +85,19 @@ def hacpo_policy_term(mb: MicroBatch) -> PolicyTerm:
         pg_loss=pg_loss, total=pg_loss, agg_mode="seq-mean-token-mean", metrics=metrics,
         own_rows=int((~is_cross).sum()), cross_rows=int(is_cross.sum()),
         lower_bound=float(pg_metrics["hacpo/lower_bound"]),
+        rows=None if per_row is None else row_record(mb.data[K.ROW], per_row, mb.response_mask),
     )
+
+
+def row_record(row_ids: torch.Tensor, per_row: dict, response_mask: torch.Tensor) -> dict:
+    """{"row", "ratio", "clipped"} lists over the micro-batch's rows in the loss (those with a
+    response token)."""
+    in_loss = response_mask.any(-1)
+    return {
+        "row": row_ids.reshape(-1)[in_loss].tolist(),
+        "ratio": per_row["ratio"][in_loss].tolist(),
+        "clipped": per_row["clipped"][in_loss].tolist(),
+    }
 
 
 HACPO_OBJECTIVE = Objective(fields=hacpo_loss_fields, term=hacpo_policy_term)
