@@ -80,10 +80,25 @@ from recipe_hacpo.evaluation.tables import write_tables
 # --------------------------------------------------------------------------- evaluation
 
 
-def _load_compute_score() -> Callable:
-    from recipe_hacpo.reward.math_reward import compute_score
+def _load_compute_score(reward: str | None = None) -> Callable:
+    """The reward that scores the responses: `reward` = "PATH[:NAME]" names a file and function as
+    verl's `reward.custom_reward_function` does (NAME default compute_score); None: the package's
+    math reward. A reward that cannot be loaded is one EvalError line."""
+    if reward is None:
+        from recipe_hacpo.reward.math_reward import compute_score
 
-    return compute_score
+        return compute_score
+    from omegaconf import OmegaConf
+
+    from recipe_hacpo.hacpo_settings import ConfigError
+    from recipe_hacpo.scoring import load_reward_fn
+
+    path, name = reward.rsplit(":", 1) if ":" in os.path.basename(reward) else (reward, "compute_score")
+    cfg = OmegaConf.create({"reward": {"custom_reward_function": {"path": path, "name": name}}})
+    try:
+        return load_reward_fn(cfg)
+    except ConfigError as exc:
+        raise EvalError(f"--reward {reward}: {exc}") from None
 
 
 def score_responses(rows: Sequence[dict], responses: Sequence[Sequence[str]], compute_score: Callable) -> list[list[float]]:
@@ -108,15 +123,18 @@ def evaluate(
     log: Callable[[str], None] = print,
     gpus: str | None = None,
     isolate: bool | None = None,
+    reward: str | None = None,
 ) -> dict:
     """Generate, score and summarise; returns {checkpoint: {bench key: metrics}} (also in metrics.json).
 
     With `isolate` (default: for the vllm backend) every checkpoint is evaluated in its own
     process, so its vLLM engine and GPU memory are gone when the next one starts, and up to
     one checkpoint per GPU group (`gpu_groups`) runs at a time. Without it, checkpoints run
-    one after another in this process.
+    one after another in this process. `reward`: "PATH[:NAME]" of the run's own reward function
+    (`_load_compute_score`), checked here before any checkpoint is merged.
     """
     backend = pick_backend(opts.backend)
+    compute_score = _load_compute_score(reward)
     data = {b.key: load_benchmark(b.path, limit) for b in benchmarks}
     results: dict[str, dict] = {}
     os.makedirs(out_dir, exist_ok=True)
@@ -132,13 +150,12 @@ def evaluate(
 
     if isolate:
         groups = gpu_groups(gpus, opts.tensor_parallel_size) or [None]
-        _run_isolated(jobs, groups, (benchmarks, data, out_dir, opts, backend), done, log)
+        _run_isolated(jobs, groups, (benchmarks, data, out_dir, opts, backend, reward), done, log)
         # table order follows the command line, not completion order
         ordered = {name: results[name] for name, _ in jobs}
         results.clear()
         results.update(ordered)
     else:
-        compute_score = _load_compute_score()
         for name, model_dir in jobs:
             done(name, evaluate_checkpoint(name, model_dir, benchmarks, data, out_dir, opts, backend, compute_score, log))
     atomic_write_json(os.path.join(out_dir, "metrics.json"), results)
@@ -193,9 +210,9 @@ def evaluate_checkpoint(
 
 def _checkpoint_process(name, model_dir, shared, queue) -> None:
     """Body of one checkpoint's process: evaluate, send (name, ok, result or error line), exit."""
-    benchmarks, data, out_dir, opts, backend = shared
+    benchmarks, data, out_dir, opts, backend, reward = shared
     try:
-        result = evaluate_checkpoint(name, model_dir, benchmarks, data, out_dir, opts, backend, _load_compute_score(),
+        result = evaluate_checkpoint(name, model_dir, benchmarks, data, out_dir, opts, backend, _load_compute_score(reward),
                                      lambda msg: print(msg, flush=True))
         queue.put((name, True, result))
     except BaseException as e:  # reported by the parent as one line naming the checkpoint
@@ -315,6 +332,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
+        "--reward", metavar="PATH[:NAME]",
+        help="the reward function that scores responses, as the run's reward.custom_reward_function "
+        "(NAME default compute_score; default: the package's math reward)",
+    )
+    parser.add_argument(
         "--chat-template-kwargs", default="{}", metavar="JSON",
         help='extra chat template arguments, as in training (e.g. \'{"enable_thinking": false}\')',
     )
@@ -356,7 +378,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             chat_template_kwargs=tuple(template_kwargs.items()),
         )
-        results = evaluate(checkpoints, benchmarks, args.out, opts, limit=args.limit, gpus=args.gpus, isolate=args.isolate)
+        results = evaluate(checkpoints, benchmarks, args.out, opts, limit=args.limit, gpus=args.gpus, isolate=args.isolate,
+                           reward=args.reward)
     except EvalError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

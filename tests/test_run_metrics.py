@@ -1,6 +1,6 @@
 """Every run keeps its per-step metrics in its own folder (recipe_hacpo/run_metrics.py): the JSONL
-file is appended across resumes and holds each step once; a paper preset's logger settings end to
-end, read back with TensorBoard's own event reader."""
+file is appended across resumes and holds each step once; a user's own task and reward with a
+paper preset's logger settings end to end, read back with TensorBoard's and wandb's own files."""
 
 from __future__ import annotations
 
@@ -38,25 +38,59 @@ def test_a_resumed_run_keeps_the_steps_before_its_checkpoint_and_logs_the_rest_o
     assert [r["step"] for r in _lines(path)] == [0]
 
 
+# a task of a user's own, not arithmetic: the last character of a short string (a digit, so that
+# the warm agents, which answer with digits, score now and then), and its reward, as a user's file
+LAST_CHAR_REWARD = """
+def last_char_score(data_source, solution_str, ground_truth, extra_info=None):
+    assert data_source == "user/last_char", data_source
+    return 1.0 if solution_str.strip() == ground_truth else 0.0
+"""
+
+
+def last_char_task(folder) -> tuple[str, str, str]:
+    """(train file, validation file, reward file) of the task above, in verl's parquet schema."""
+    import random
+
+    from recipe_hacpo.data.schema import make_row, write_rows
+
+    rng = random.Random(0)
+    files = []
+    for split, count in (("train", 24), ("test", 8)):
+        rows = []
+        for i in range(count):
+            text = "".join(rng.choice("abcxyz") for _ in range(3)) + str(rng.randrange(10))
+            rows.append(make_row("user/last_char", f"last char of {text}", "text", text[-1], split, i))
+        files.append(str(folder / f"last_char_{split}.parquet"))
+        write_rows(rows, files[-1])
+    reward = folder / "last_char_reward.py"
+    reward.write_text(LAST_CHAR_REWARD)
+    return files[0], files[1], str(reward)
+
+
 @pytest.mark.e2e
 @pytest.mark.ray
-def test_a_paper_presets_logger_settings_leave_every_metric_in_the_run_folder_across_a_stop(tmp_path, warm_agent_paths):
-    """`trainer.logger=[console,wandb]` with a quiet console (the presets' console settings) and
-    wandb offline: a run stopped by SIGTERM (exit 75, a requeue's stop) and resumed leaves every
-    step once in metrics.jsonl, TensorBoard's files and one wandb run; `trainer.rollout_data_dir`
-    holds each learner's rows of every step with what the loss did to them."""
+def test_your_own_task_trains_stops_resumes_and_evaluates_and_the_run_folder_keeps_it_all(tmp_path, warm_agent_paths):
+    """A user's task and reward (verl's parquet schema, `reward.custom_reward_function`), the
+    presets' console settings (`trainer.logger=[console,wandb]`, quiet) and wandb offline: a run
+    stopped by SIGTERM (exit 75, a requeue's stop) and resumed leaves every step once in
+    metrics.jsonl, TensorBoard's files and one wandb run; `trainer.rollout_data_dir` holds each
+    learner's rows of every step, scored by the user's reward, with what the loss did to them;
+    `recipe_hacpo.evaluate --reward` scores the trained agents with the same reward."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from recipe_hacpo.preemption import RESUMABLE_EXIT
     from recipe_hacpo.run_metrics import WANDB_ID_FILE
 
+    train, val, reward = last_char_task(tmp_path)
     ckpt, rollouts = tmp_path / "ckpt", tmp_path / "rollouts"
     env = {k: v for k, v in os.environ.items() if k not in ("VERL_FILE_LOGGER_PATH", "TENSORBOARD_DIR", "WANDB_RUN_ID")}
-    env.update(HACPO_DATA_DIR=os.path.join(REPO, "data"), WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wb"))
+    env.update(WANDB_MODE="offline", WANDB_DIR=str(tmp_path / "wb"))
 
     def command(steps: int) -> list[str]:
         return [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo",
                 *agent_overrides(warm_agent_paths, ["qwen2-char-small", "llama-pair-medium"]),
+                f"data.train_files={train}", f"data.val_files={val}",
+                f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=last_char_score",
                 "trainer.logger=[console,wandb]", "trainer.summary_every=5", f"trainer.default_local_dir={ckpt}",
                 f"hydra.run.dir={tmp_path}/hydra", f"trainer.total_training_steps={steps}", "trainer.save_freq=1",
                 "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.resume_mode=auto",
@@ -96,15 +130,39 @@ def test_a_paper_presets_logger_settings_leave_every_metric_in_the_run_folder_ac
     assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
     assert sorted(s for r in runs for s in _wandb_history_steps(r)) == [1, 2, 3]
 
+    scored = []
     for record in records:
-        check_rollout_log(rollouts, record["step"], record["data"])
+        scored += check_rollout_log(rollouts, record["step"], record["data"])
+    # the user's reward scored every row (the prompts name the task; the answers are the agents')
+    assert {r["gts"] for r in scored} <= set("0123456789") and all(r["input"].count("last char of") == 1 for r in scored)
+    assert [r["score"] for r in scored] == [1.0 if r["output"].strip() == r["gts"] else 0.0 for r in scored]
+
+    # the trained agents, scored by the same reward on the held-out prompts
+    out = tmp_path / "eval"
+    proc = subprocess.run([sys.executable, "-m", "recipe_hacpo.evaluate", "--backend", "hf", "--agents-from", str(ckpt),
+                           "--bench", f"last_char={val}", "--reward", f"{reward}:last_char_score",
+                           "--max-new-tokens", "8", "--max-prompt-length", "32", "--out", str(out)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert sorted(metrics) == ["llama_pair", "qwen_char"]
+    for name in metrics:
+        samples = _lines(out / "samples" / name / "last_char.jsonl")
+        assert len(samples) == 8 and metrics[name]["last_char"]["prompts"] == 8
+        assert metrics[name]["last_char"]["value"] == pytest.approx(
+            sum(float(s["responses"][0].strip() == s["ground_truth"]) for s in samples) / 8)
+    wrong = subprocess.run([sys.executable, "-m", "recipe_hacpo.evaluate", "--agents-from", str(ckpt), "--bench",
+                            f"last_char={val}", "--reward", f"{reward}:no_such_fn", "--out", str(tmp_path / "x")],
+                           cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert wrong.returncode == 2 and wrong.stderr.startswith(f"error: --reward {reward}:no_such_fn: reward.custom_reward_function")
 
 
-def check_rollout_log(root, step: int, metrics: dict) -> None:
-    """`trainer.rollout_data_dir` of one step against the step's metrics, read another way."""
+def check_rollout_log(root, step: int, metrics: dict) -> list[dict]:
+    """`trainer.rollout_data_dir` of one step against the step's metrics, read another way;
+    returns every own row of the step."""
     from recipe_hacpo.hacpo_settings import DEFAULTS
 
-    names = ("qwen_char", "llama_pair")
+    names, scored = ("qwen_char", "llama_pair"), []
     for name in names:
         peer = next(n for n in names if n != name)
         rows = _lines(root / name / f"{step}.jsonl")
@@ -122,6 +180,8 @@ def check_rollout_log(root, step: int, metrics: dict) -> None:
         low = [u["ratio"] < min(1.0, 1 - DEFAULTS.delta + u["m"] * DEFAULTS.delta_step) for r in cross for u in r["updates"]]
         high = [u["ratio"] > 1 for r in cross for u in r["updates"]]
         assert [u["clipped"] for r in cross for u in r["updates"]] == [a or b for a, b in zip(low, high)]
+        scored += own
+    return scored
 
 
 def _wandb_history_steps(run_dir) -> list[int]:
