@@ -1,4 +1,5 @@
-"""One entry of the `agents:` list, typed (built and checked by `config.agent_specs`)."""
+"""One entry of the `agents:` map, typed (built and checked by `config.agent_specs`), and the form
+of that map."""
 
 from __future__ import annotations
 
@@ -7,9 +8,24 @@ from dataclasses import dataclass, field
 from omegaconf import DictConfig, OmegaConf
 
 
+AGENTS_FORM = ("agents are keyed by name: +agents.<name>={model_path: ..., rollout_n: 8} adds one, ~agents.<name> "
+               "drops one, agents.<name>.rollout_n=16 changes one, '~agents' '+agents={a: {...}, b: {...}}' replaces them all")
+
+
+def refuse_list_form(argv: list[str]) -> str | None:
+    """The one-line error for a command line in the old list form of `agents` (`agents=[...]`,
+    `agents.0.model_path=...`), which Hydra would refuse with a merge error of its own."""
+    import re
+
+    for arg in argv:
+        if re.match(r"^[+~]*agents(=\s*\[|\.\d+(\.|=|$))", arg):
+            return f"{arg}: {AGENTS_FORM}"
+    return None
+
+
 @dataclass(frozen=True)
 class AgentSpec:
-    """One entry of `agents:`."""
+    """One entry of `agents:` (its key is `name`)."""
 
     index: int
     name: str

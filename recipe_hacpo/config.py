@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import copy
 import os
+from typing import Sequence
 
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
 from recipe_hacpo import planner
-from recipe_hacpo.agent_spec import AgentSpec
+from recipe_hacpo.agent_spec import AGENTS_FORM, AgentSpec
 from recipe_hacpo.hacpo_settings import ConfigError, HacpoSettings
 from recipe_hacpo.placement import master_port_ranges
 from recipe_hacpo.rollout_check import RolloutCheck
@@ -26,26 +27,64 @@ def hacpo_settings(cfg: DictConfig) -> HacpoSettings:
     return HacpoSettings.from_dict(OmegaConf.to_container(cfg.algorithm.get("hacpo", {}), resolve=True) or {})
 
 
+AGENT_KEYS = {
+    "model_path": ("???", "Hugging Face model dir or hub id (its tokenizer and chat template too)"),
+    "rollout_n": (8, "G_j: responses per prompt for this agent (`agents_rollout_n` sets every agent's)"),
+    "n_gpus_per_node": (0, "GPUs a node of this agent's own resource pool; 0: the shared pool "
+                           "(trainer.n_gpus_per_node x trainer.nnodes), the agents on it take turns"),
+    "nnodes": (1, "nodes of this agent's own pool"),
+    "node_resource": (None, "a custom Ray resource that pins the agent's own pool to the nodes started with it"),
+    "actor_rollout_ref": ({}, "any actor_rollout_ref key for this agent only, merged over the shared "
+                              "actor_rollout_ref, e.g. {actor: {optim: {lr: 2e-6}}}"),
+}
+"""What one entry `agents.<name>` may set: (default, meaning) of each key."""
+
+def agents_overrides(entries: Sequence[dict]) -> list[str]:
+    """Hydra overrides that replace a preset's agents with `entries` (dicts with a "name" and any
+    of AGENT_KEYS), in their order: for scripts and tests that build a set of agents."""
+
+    def value(v) -> str:
+        if isinstance(v, dict):
+            return "{" + ",".join(f"{k}:{value(x)}" for k, x in v.items()) + "}"
+        if isinstance(v, str):
+            return "'" + v.replace("\\", "\\\\").replace("'", "\\'") + "'"
+        return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+    agents = {e["name"]: {k: v for k, v in e.items() if k != "name"} for e in entries}
+    return ["~agents", f"+agents={value(agents)}"]
+
+
 def agent_specs(cfg: DictConfig) -> list[AgentSpec]:
+    """The agents of `agents` (a map from name to entry), in the map's order: the order of the
+    preset, then of the command line's additions. Agent j of the spec is the j-th entry."""
     agents = cfg.get("agents")
+    if isinstance(agents, ListConfig) or isinstance(agents, list):
+        raise ConfigError(f"agents: a list; {AGENTS_FORM}")
     if agents is None or len(agents) == 0:
-        raise ConfigError("agents: empty; list at least one agent with name and model_path")
+        raise ConfigError(f"agents: empty; {AGENTS_FORM}")
     specs = []
-    every_n = cfg.get("agents_rollout_n")
-    for i, a in enumerate(agents):
-        where = f"agents[{i}]"
-        for key in ("name", "model_path"):
-            if OmegaConf.is_missing(a, key) or a.get(key) in (None, ""):
-                raise ConfigError(f"{where}.{key}: missing; every agent needs a {key}")
+    every_n, every_gpus = cfg.get("agents_rollout_n"), cfg.get("agents_n_gpus_per_node")
+    for i, (name, a) in enumerate(agents.items()):
+        where = f"agents.{name}"
+        if not isinstance(a, DictConfig):
+            raise ConfigError(f"{where}: {a!r} is not a map of agent keys; {AGENTS_FORM}")
+        unknown = [k for k in a.keys() if k not in AGENT_KEYS and k != "name"]
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: not an agent key (an agent sets {', '.join(AGENT_KEYS)})")
+        if a.get("name") not in (None, str(name)):
+            raise ConfigError(f"{where}.name={a.get('name')!r}: an agent's name is its key; drop name or make it {name!r}")
+        if OmegaConf.is_missing(a, "model_path") or a.get("model_path") in (None, ""):
+            raise ConfigError(f"{where}.model_path: missing; every agent needs a model_path")
         overrides = a.get("actor_rollout_ref") or {}
         specs.append(
             AgentSpec(
                 index=i,
-                name=str(a.name),
+                name=str(name),
                 model_path=normalize_model_path(str(a.model_path)),
-                rollout_n=int(every_n if every_n is not None else a.get("rollout_n", 8)),
-                n_gpus_per_node=int(a.get("n_gpus_per_node", 0)),
-                nnodes=int(a.get("nnodes", 1)),
+                rollout_n=int(every_n if every_n is not None else a.get("rollout_n", AGENT_KEYS["rollout_n"][0])),
+                n_gpus_per_node=int(every_gpus if every_gpus is not None
+                                    else a.get("n_gpus_per_node", AGENT_KEYS["n_gpus_per_node"][0])),
+                nnodes=int(a.get("nnodes", AGENT_KEYS["nnodes"][0])),
                 node_resource=str(a.node_resource) if a.get("node_resource") not in (None, "") else None,
                 overrides=OmegaConf.to_container(overrides, resolve=True) if OmegaConf.is_config(overrides) else dict(overrides),
             )
@@ -58,31 +97,29 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     specs = agent_specs(cfg)
     hacpo = hacpo_settings(cfg)
 
-    names = [s.name for s in specs]
     for s in specs:
-        if s.name in names[: s.index]:
-            raise ConfigError(f"agents[{s.index}].name={s.name!r}: duplicate agent name; names must be unique")
-        if not s.name.replace("-", "_").replace(".", "_").isidentifier():
+        if not s.name.replace("-", "_").isidentifier():
             raise ConfigError(
-                f"agents[{s.index}].name={s.name!r}: use letters, digits, '_', '-' or '.' (it names Ray actors and metrics)"
+                f"agents.{s.name}: an agent's name uses letters, digits, '_' or '-' (it is a config key and names "
+                "Ray actors and metrics)"
             )
         if s.rollout_n < 1:
-            raise ConfigError(f"agents[{s.index}].rollout_n={s.rollout_n}: must be >= 1")
+            raise ConfigError(f"agents.{s.name}.rollout_n={s.rollout_n}: must be >= 1")
         if s.n_gpus_per_node < 0 or s.nnodes < 1:
             raise ConfigError(
-                f"agents[{s.index}] ({s.name}): n_gpus_per_node={s.n_gpus_per_node}, nnodes={s.nnodes}: "
+                f"agents.{s.name}: n_gpus_per_node={s.n_gpus_per_node}, nnodes={s.nnodes}: "
                 "need n_gpus_per_node >= 0 (0 = shared pool) and nnodes >= 1"
             )
         if s.node_resource is not None and (s.uses_shared_pool or not _is_custom_resource(s.node_resource)):
             raise ConfigError(
-                f"agents[{s.index}].node_resource={s.node_resource!r} ({s.name}): "
+                f"agents.{s.name}.node_resource={s.node_resource!r}: "
                 + ("needs the agent's own pool (n_gpus_per_node > 0); the shared pool spans every node"
                    if s.uses_shared_pool else
                    "must be a custom Ray resource name (letters, digits, '_', '-', '.'; not CPU, GPU, memory)")
             )
         if check_paths and not _model_path_exists(s.model_path):
             raise ConfigError(
-                f"agents[{s.index}].model_path={s.model_path!r} ({s.name}): not a local directory with config.json "
+                f"agents.{s.name}.model_path={s.model_path!r}: not a local directory with config.json "
                 "and not found in the local Hugging Face cache; download it first or fix the path"
             )
     reward_timeout = float(cfg.trainer.reward_timeout_s)  # default in hacpo_base.yaml
@@ -135,7 +172,7 @@ def _validate_rollout_check(cfg: DictConfig, specs: list[AgentSpec]) -> None:
     for s in specs:
         if not bool(s.section(cfg, "rollout").get("calculate_log_probs", False)):
             raise ConfigError(
-                f"agents[{s.index}] ({s.name}): actor_rollout_ref.rollout.calculate_log_probs=false, but "
+                f"agents.{s.name}: actor_rollout_ref.rollout.calculate_log_probs=false, but "
                 f"trainer.rollout_check.action={check.action} compares the engine's log-probs with the trainer's "
                 "every step; set it true (or the action to off)"
             )
@@ -186,7 +223,7 @@ def _validate_lora(cfg: DictConfig, specs: list[AgentSpec]) -> None:
         rank = int(model.get("lora_rank") or 0)
         if rank == 0:
             continue
-        where = f"agents[{s.index}].actor_rollout_ref.model ({s.name})"
+        where = f"agents.{s.name}.actor_rollout_ref.model"
         if rank < 0 or float(model.get("lora_alpha") or 0) <= 0:
             raise ConfigError(f"{where}: lora_rank={rank}, lora_alpha={model.get('lora_alpha')}: need lora_rank > 0 and lora_alpha > 0")
         if not model.get("target_modules"):
@@ -214,7 +251,7 @@ def _validate_vllm_on_cpu(cfg: DictConfig, specs: list[AgentSpec]) -> None:
     for s in users:
         problem = vllm_cpu.head_size_problem(s.model_path)
         if problem:
-            raise ConfigError(f"agents[{s.index}].model_path={s.model_path!r} ({s.name}): {problem}")
+            raise ConfigError(f"agents.{s.name}.model_path={s.model_path!r}: {problem}")
 
 
 # verl's actor, reference and rollout models read the attention kernel from here
@@ -255,7 +292,7 @@ def _validate_attention(cfg: DictConfig, specs: list[AgentSpec]) -> None:
     gpu_run = str(cfg.trainer.get("device", "cuda")) != "cpu"
     for s in specs:
         attn = attention_implementation(cfg, s)
-        where = f"agents[{s.index}] ({s.name})"
+        where = f"agents.{s.name}"
         if attn.startswith("flash_attention"):
             if gpu_run and _driver_sees_gpu():
                 problem = flash_attn_problem()
@@ -308,19 +345,19 @@ def _validate_gpu_memory(cfg: DictConfig, specs: list[AgentSpec]) -> None:
         max_len = s.section(cfg, "rollout").get("max_model_len")
         if max_len is not None and int(max_len) < needed:
             raise ConfigError(
-                f"agents[{s.index}] ({s.name}): actor_rollout_ref.rollout.max_model_len={max_len} is shorter than "
+                f"agents.{s.name}: actor_rollout_ref.rollout.max_model_len={max_len} is shorter than "
                 f"data.max_prompt_length + data.max_response_length = {needed}; set it to {needed}"
             )
     for p in planner.plan(cfg, vllm):
         spec = next(s for s in vllm if s.name == p.name)
         if p.known and p.max_model_len > p.shape.max_position_embeddings > 0:
             raise ConfigError(
-                f"agents[{spec.index}] ({p.name}): actor_rollout_ref.rollout.max_model_len={p.max_model_len} exceeds "
+                f"agents.{p.name}: actor_rollout_ref.rollout.max_model_len={p.max_model_len} exceeds "
                 f"the model's max_position_embeddings={p.shape.max_position_embeddings}"
             )
         if p.problems:
             raise ConfigError(
-                f"agents[{spec.index}] ({p.name}) on {p.gpus} GPU(s) of {float(cfg.trainer.get('gpu_memory_gib', 80)):g} GiB: "
+                f"agents.{p.name} on {p.gpus} GPU(s) of {float(cfg.trainer.get('gpu_memory_gib', 80)):g} GiB: "
                 f"{p.problems[0]} (trainer.plan_only=true prints the whole plan)"
             )
 
@@ -344,14 +381,14 @@ def _validate_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
         mini = int(actor.ppo_mini_batch_size)
         if mini < 1 or batch % mini != 0:
             raise ConfigError(
-                f"agents[{s.index}] ({s.name}): data.train_batch_size={batch} is not divisible by "
+                f"agents.{s.name}: data.train_batch_size={batch} is not divisible by "
                 f"actor_rollout_ref.actor.ppo_mini_batch_size={mini}; pick a mini-batch that divides the batch"
             )
         world = data_parallel_world(cfg, s)
         rows_per_mini = mini * _rows_per_prompt(specs, s, cfg)
         if rows_per_mini % world != 0:
             raise ConfigError(
-                f"agents[{s.index}] ({s.name}): a mini-batch of {rows_per_mini} rows "
+                f"agents.{s.name}: a mini-batch of {rows_per_mini} rows "
                 f"(ppo_mini_batch_size {mini} × responses per prompt) does not split over its {world} GPUs; "
                 "change ppo_mini_batch_size or rollout_n"
             )
@@ -373,7 +410,7 @@ def _validate_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
         for key, micro, rows, what in checks:
             if micro is not None and (int(micro) < 1 or rows % int(micro) != 0):
                 raise ConfigError(
-                    f"agents[{s.index}] ({s.name}): actor_rollout_ref.{key}={micro} does not divide the {rows} "
+                    f"agents.{s.name}: actor_rollout_ref.{key}={micro} does not divide the {rows} "
                     f"{what}; pick a divisor of {rows}"
                 )
 
@@ -385,7 +422,7 @@ def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> Non
         actor = s.section(cfg, "actor")
         if actor.get("shuffle", False):
             raise ConfigError(
-                f"agents[{s.index}] ({s.name}): actor_rollout_ref.actor.shuffle=true breaks the prompt groups of "
+                f"agents.{s.name}: actor_rollout_ref.actor.shuffle=true breaks the prompt groups of "
                 "HACPO's mini-batches (own and cross rows together); set it to false"
             )
         world = data_parallel_world(cfg, s)
@@ -393,7 +430,7 @@ def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> Non
         mini = int(actor.ppo_mini_batch_size)
         if mini % dp != 0:
             raise ConfigError(
-                f"agents[{s.index}] ({s.name}): actor_rollout_ref.actor.ppo_mini_batch_size={mini} prompts do not "
+                f"agents.{s.name}: actor_rollout_ref.actor.ppo_mini_batch_size={mini} prompts do not "
                 f"split into whole prompt groups over its {dp} data-parallel ranks; use a multiple of {dp}"
             )
 

@@ -560,9 +560,9 @@ def row_clipped(
     is_cross: torch.Tensor,
     *,
     lower: float,
-    cross_clip: str,
-    clip_ratio_low: float,
-    clip_ratio_high: float,
+    cross_clip: str = DEFAULTS.cross_clip,
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
 ) -> torch.Tensor:
     """bool [B]: the clip takes row i's gradient away at this update (spec §5–§6).
 

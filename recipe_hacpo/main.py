@@ -59,7 +59,7 @@ def check_resume_layout(cfg: DictConfig, specs) -> None:
         if saved is not None and saved != world:
             raise ConfigError(
                 f"resume from {path}: agent {s.name} was saved by {saved} GPU rank(s), this run gives it {world} "
-                f"(agents[{s.index}].n_gpus_per_node x nnodes, or the shared pool's trainer.n_gpus_per_node x nnodes); "
+                f"(agents.{s.name}.n_gpus_per_node x nnodes, or the shared pool's trainer.n_gpus_per_node x nnodes); "
                 "resume with the layout it was saved with, or start over with trainer.resume_mode=disable"
             )
 
@@ -245,4 +245,10 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    from recipe_hacpo.agent_spec import refuse_list_form
+
+    refused = refuse_list_form(sys.argv[1:])
+    if refused:
+        print(f"error: {refused}", file=sys.stderr)
+        sys.exit(2)
     main()

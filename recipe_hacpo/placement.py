@@ -36,7 +36,7 @@ SHARED_POOL_SPARE = 1
 CPU_COLOCATE = 1
 # seconds a placement group may take to be placed (trainer.placement_timeout_s)
 DEFAULT_PLACEMENT_TIMEOUT_S = 600.0
-# how much of its node's custom resource (agents[i].node_resource) each bundle takes: a node
+# how much of its node's custom resource (agents.<name>.node_resource) each bundle takes: a node
 # started with {R: 1} holds up to 10000 such bundles, Ray's finest resource granularity
 NODE_RESOURCE_PER_BUNDLE = 1e-4
 # the narrowest slice an agent may get: verl skips the ports in use and fails past the slice

@@ -621,13 +621,17 @@ def train_overrides(agent_dirs: dict, work: str, cuda: bool, *, vllm: bool = Fal
     """`python -m recipe_hacpo.main --config-name hacpo_cpu_demo` overrides: the two tiny agents on one
     shared pool of one device in bf16, the first with param/optimizer offload, the second with FSDP2's
     offload_policy (CPU: param/optimizer offload, the policy needs an accelerator), batch 4."""
+    from recipe_hacpo.config import agents_overrides
+
     first, second = list(agent_dirs)
-    second_fsdp = "{offload_policy:true}" if cuda else "{param_offload:true,optimizer_offload:true}"
-    agents = (f"agents=[{{name:{first},model_path:'{agent_dirs[first]}',rollout_n:4,n_gpus_per_node:0,nnodes:1,"
-              f"actor_rollout_ref:{{actor:{{fsdp_config:{{param_offload:true,optimizer_offload:true}}}}}}}},"
-              f"{{name:{second},model_path:'{agent_dirs[second]}',rollout_n:4,n_gpus_per_node:0,nnodes:1,"
-              f"actor_rollout_ref:{{actor:{{fsdp_config:{second_fsdp}}}}}}}]")
-    out = ["--config-name", "hacpo_cpu_demo", agents, f"trainer.device={'cuda' if cuda else 'cpu'}",
+    second_fsdp = {"offload_policy": True} if cuda else {"param_offload": True, "optimizer_offload": True}
+    agents = agents_overrides([
+        dict(name=first, model_path=agent_dirs[first], rollout_n=4, n_gpus_per_node=0, nnodes=1,
+             actor_rollout_ref={"actor": {"fsdp_config": {"param_offload": True, "optimizer_offload": True}}}),
+        dict(name=second, model_path=agent_dirs[second], rollout_n=4, n_gpus_per_node=0, nnodes=1,
+             actor_rollout_ref={"actor": {"fsdp_config": second_fsdp}}),
+    ])
+    out = ["--config-name", "hacpo_cpu_demo", *agents, f"trainer.device={'cuda' if cuda else 'cpu'}",
            "trainer.n_gpus_per_node=1", "trainer.nnodes=1", "ray_kwargs.ray_init.num_gpus=1",
            "ray_kwargs.ray_init.num_cpus=4", "data.train_batch_size=4", "data.val_files=null",
            "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16",

@@ -5,7 +5,7 @@
 #   HACPO_DATA_DIR                prepared parquet files [data/paper]
 #   HACPO_OUTPUT_DIR              checkpoints and Hydra logs [outputs]
 #   PRESET                        config name [pair_$PAIR]; pair_${PAIR}_4gpu where one exists: 4 GPUs
-#   PLACEMENT                     preset: the preset's pools | shared: both agents on one shared
+#   PLACEMENT                     preset: the preset's pools | shared: every agent on one shared
 #                                 pool of trainer.n_gpus_per_node x trainer.nnodes GPUs, taking turns
 #   BASELINE                      the method [the preset's: hacpo]: hacpo | naive | gspo | gspo2x |
 #                                 gspo4x | grpo | grpo2x | grpo4x | graft | sgt
@@ -23,8 +23,7 @@ case $PLACEMENT in
     preset) placement=() ;;
     shared)
         placement=(
-            agents.0.n_gpus_per_node=0
-            agents.1.n_gpus_per_node=0
+            agents_n_gpus_per_node=0
             actor_rollout_ref.actor.fsdp_config.param_offload=true
             actor_rollout_ref.actor.fsdp_config.optimizer_offload=true
             actor_rollout_ref.rollout.gpu_memory_utilization=0.35

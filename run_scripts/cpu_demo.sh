@@ -52,7 +52,8 @@ rl_start=$(date +%s)
 # held-out accuracy on 512 of the 1024 test prompts before training, half-way and at the end.
 VERL_FILE_LOGGER_PATH="$HACPO_OUTPUT_DIR/metrics.jsonl" \
 python -m recipe_hacpo.main --config-name hacpo_cpu_demo \
-    "agents=[{name:qwen_char,model_path:'$A_DIR',rollout_n:8,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{}},{name:llama_pair,model_path:'$B_DIR',rollout_n:8,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{}}]" \
+    agents.qwen_char.model_path="$A_DIR" agents.qwen_char.rollout_n=8 \
+    agents.llama_pair.model_path="$B_DIR" agents.llama_pair.rollout_n=8 \
     data.train_files=data/arith_add3_train.parquet \
     data.val_files=data/arith_add3_test.parquet \
     data.train_batch_size=16 \

@@ -117,6 +117,6 @@ def warm_real_agent_paths(tmp_path_factory) -> dict[str, str]:
 def demo_overrides(tiny_agent_paths) -> list[str]:
     """hacpo_cpu_demo's two agents pointed at the tiny models of `tiny_agent_paths`."""
     return [
-        f"agents.0.model_path={tiny_agent_paths['qwen2-char-small']}",
-        f"agents.1.model_path={tiny_agent_paths['llama-pair-medium']}",
+        f"agents.qwen_char.model_path={tiny_agent_paths['qwen2-char-small']}",
+        f"agents.llama_pair.model_path={tiny_agent_paths['llama-pair-medium']}",
     ]

@@ -41,7 +41,7 @@ def test_gpu_preset_without_flash_attn_is_refused_in_one_line(gpu_driver, monkey
         validate(cfg, check_paths=False)
     msg = str(err.value)
     assert "\n" not in msg
-    assert msg.startswith("agents[0] (")
+    assert msg.startswith("agents.qwen3_1p7b_base: ")
     assert f"{ATTN_KEY}=flash_attention_2 (verl default)" in msg
     assert f"set {ATTN_KEY}=sdpa and actor_rollout_ref.model.use_remove_padding=false" in msg
     assert "ImportError" in msg or "ModuleNotFoundError" in msg
@@ -75,8 +75,8 @@ def test_non_flash_kernel_with_remove_padding_is_refused(attn):
 def test_one_agent_override_is_read(gpu_driver, monkeypatch):
     _flash_attn(monkeypatch, importable=False)
     cfg = _compose(PRESET, GPUS_8 + [f"+{ATTN_KEY}=sdpa", "actor_rollout_ref.model.use_remove_padding=false",
-                                     f"+agents.1.{ATTN_KEY}=flash_attention_2"])
-    with pytest.raises(ConfigError, match=r"^agents\[1\] "):
+                                     f"+agents.qwen3_4b_base.{ATTN_KEY}=flash_attention_2"])
+    with pytest.raises(ConfigError, match=r"^agents\.qwen3_4b_base: "):
         validate(cfg, check_paths=False)
 
 

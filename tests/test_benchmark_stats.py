@@ -239,10 +239,10 @@ def test_an_agent_with_its_own_lr_is_trained_and_cached_apart():
     setup = Setup(20, 64, 2, 1e-4, 1.0, 10, 1024, 512, 4)
     own = dataclasses.replace(AGENTS["M12"], lr=3e-4)
     agents = [{"agent": own, "path": "/a"}, {"agent": AGENTS["B"], "path": "/b"}]
-    spec = next(o for o in run_overrides(ALL_ARMS["gspo"], 0, agents, setup, "/tmp/r", True) if o.startswith("agents="))
+    spec = next(o for o in run_overrides(ALL_ARMS["gspo"], 0, agents, setup, "/tmp/r", True) if o.startswith("+agents="))
     # the agent's lr goes into its own actor_rollout_ref block; the other agent keeps the benchmark's
-    assert f"name:{own.name},model_path:'/a',rollout_n:2,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{actor:{{optim:{{lr:0.0003}}}}}}}}" in spec
-    assert f"name:{AGENTS['B'].name},model_path:'/b',rollout_n:2,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}" in spec
+    assert f"{own.name}:{{model_path:'/a',rollout_n:2,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{actor:{{optim:{{lr:0.0003}}}}}}}}" in spec
+    assert f"{AGENTS['B'].name}:{{model_path:'/b',rollout_n:2,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}" in spec
     assert own.run_id == AGENTS["M12"].dirname + "@lr0.0003" and AGENTS["B"].run_id == AGENTS["B"].dirname
     # a run made without the agent's own lr is not reused for one with it
     made = {"steps": 20, "group": 2, "prompts": 64, "lr": 1e-4, "temperature": 1.0, "mini_batches": 4,
@@ -368,7 +368,7 @@ def test_the_grpo_family_arms_carry_their_loss_and_sgt_micro_batches_split_its_i
 
     def ov(arm):
         return dict(o.split("=", 1) for o in run_overrides(ALL_ARMS[arm], 5, agents, setup, "/tmp/r", False)
-                    if not o.startswith("agents="))
+                    if not o.startswith(("~agents", "+agents=")))
 
     grpo, gspo, graft, sgt = ov("grpo"), ov("gspo"), ov("graft"), ov("sgt")
     assert grpo["actor_rollout_ref.actor.policy_loss.loss_mode"] == "vanilla"

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from recipe_hacpo.config import ConfigError, agent_verl_config, validate
+from recipe_hacpo.config import AGENTS_FORM, ConfigError, agent_specs, agent_verl_config, agents_overrides, validate
 from helpers.compose import compose_config as _compose
 from helpers.compose import first_agent_only as _first_agent_only
 
@@ -44,7 +44,7 @@ def test_sample_tape_folders_reach_each_agents_rollout_as_its_own(demo_overrides
 
 
 def test_agent_override_merges_into_template(demo_overrides):
-    cfg = _compose("hacpo_cpu_demo", demo_overrides + ["+agents.1.actor_rollout_ref.actor.optim.lr=0.5"])
+    cfg = _compose("hacpo_cpu_demo", demo_overrides + ["+agents.llama_pair.actor_rollout_ref.actor.optim.lr=0.5"])
     specs, _ = validate(cfg)
     assert agent_verl_config(cfg, specs[1]).actor_rollout_ref.actor.optim.lr == 0.5
     assert agent_verl_config(cfg, specs[0]).actor_rollout_ref.actor.optim.lr == cfg.actor_rollout_ref.actor.optim.lr
@@ -63,15 +63,16 @@ def test_naive_settings_imply_plain_baseline():
 @pytest.mark.parametrize(
     "extra, message",
     [
-        (["agents.1.name=qwen_char"], r"agents\[1\]\.name='qwen_char': duplicate agent name"),
-        (["agents.1.model_path=/nonexistent/model"], r"agents\[1\]\.model_path='/nonexistent/model' \(llama_pair\): not a local directory"),
+        (["+agents.llama_pair.name=qwen_char"], r"agents\.llama_pair\.name='qwen_char': an agent's name is its key"),
+        (["+agents.llama_pair.temperature=1"], r"^agents\.llama_pair\.temperature: not an agent key \(an agent sets model_path, "),
+        (["agents.llama_pair.model_path=/nonexistent/model"], r"agents\.llama_pair\.model_path='/nonexistent/model': not a local directory"),
         (["data.train_batch_size=6"], r"data\.train_batch_size=6 is not divisible by actor_rollout_ref\.actor\.ppo_mini_batch_size=4"),
         (["ray_kwargs.ray_init.num_gpus=1"], r"pools need 2 GPUs .* but the cluster has 1"),
         (["algorithm.hacpo.mode=shared"], r"algorithm\.hacpo\.mode='shared': must be one of hacpo, naive, isolated"),
         (["+algorithm.hacpo.alhpa=1"], r"algorithm\.hacpo\.alhpa: unknown key"),
         (["algorithm.hacpo.omega_clip=[2.0,10.0]"], r"algorithm\.hacpo\.omega_clip"),
         (["algorithm.hacpo.cross_clip=gspo"], r"algorithm\.hacpo\.cross_clip='gspo'.*mode=naive"),
-        (["agents.0.rollout_n=0"], r"agents\[0\]\.rollout_n=0: must be >= 1"),
+        (["agents.qwen_char.rollout_n=0"], r"agents\.qwen_char\.rollout_n=0: must be >= 1"),
         (["trainer.reward_timeout_s=0"], r"trainer\.reward_timeout_s=0\.0: must be > 0"),
         (["trainer.master_port_range=[30000,30020]"], r"trainer\.master_port_range=\[30000, 30020\]: 20 ports for 2 agents"),
         (["trainer.master_port_range=[80,2000]"], r"trainer\.master_port_range=\[80, 2000\]: must satisfy 1024 <= first"),
@@ -95,6 +96,35 @@ def test_bad_configs_fail_with_one_line(demo_overrides, extra, message):
 
 
 
+def test_agents_are_added_dropped_and_changed_by_name(demo_overrides, tiny_agent_paths):
+    """The command line edits the preset's agents one at a time; their order is the preset's,
+    then the additions' (the agent index j)."""
+    third = f"+agents.qwen_mid={{model_path:'{tiny_agent_paths['qwen2-char-small']}',rollout_n:4,n_gpus_per_node:1}}"
+    cfg = _compose("hacpo_cpu_demo", demo_overrides + [third, "+agents.llama_pair.actor_rollout_ref.actor.optim.lr=2e-5",
+                                                       "ray_kwargs.ray_init.num_gpus=3"])
+    specs = validate(cfg)[0]
+    assert [(s.index, s.name, s.rollout_n) for s in specs] == [(0, "qwen_char", 4), (1, "llama_pair", 4), (2, "qwen_mid", 4)]
+    assert specs[1].overrides == {"actor": {"optim": {"lr": 2e-5}}} and specs[0].overrides == {}
+    dropped = agent_specs(_compose("hacpo_cpu_demo", demo_overrides + ["~agents.llama_pair"]))
+    assert [s.name for s in dropped] == ["qwen_char"]
+    # a whole set in one go (scripts and tests): the preset's agents are replaced, in this order
+    replaced = agent_specs(_compose("hacpo_cpu_demo", agents_overrides(
+        [dict(name="b", model_path="/m/b", rollout_n=2), dict(name="a", model_path="/m/a", n_gpus_per_node=0)])))
+    assert [(s.name, s.model_path, s.rollout_n, s.n_gpus_per_node) for s in replaced] == [("b", "/m/b", 2, 0), ("a", "/m/a", 8, 0)]
+
+
+def test_the_old_list_form_is_refused_in_one_line_naming_the_new_one():
+    from omegaconf import OmegaConf
+
+    from recipe_hacpo.agent_spec import refuse_list_form
+
+    with pytest.raises(ConfigError, match=r"^agents: a list; agents are keyed by name: \+agents\.<name>="):
+        agent_specs(OmegaConf.create({"agents": [{"name": "a", "model_path": "/m"}]}))
+    assert refuse_list_form(["agents.1.model_path=/m"]) == f"agents.1.model_path=/m: {AGENTS_FORM}"
+    assert refuse_list_form(["++agents.0.node_resource=r"]) is not None
+    assert refuse_list_form(["agents.a1.rollout_n=2", "+agents.b={model_path:/m}", "agents_rollout_n=4"]) is None
+
+
 def test_sharing_needs_two_agents(demo_overrides):
     cfg = _first_agent_only(_compose("hacpo_cpu_demo", demo_overrides))
     with pytest.raises(ConfigError, match=r"sharing needs at least 2 agents, got 1"):
@@ -108,12 +138,12 @@ def test_main_rejects_bad_config_before_ray(tmp_path, demo_overrides):
     """The CLI exits 2 with a one-line error and never starts Ray."""
     proc = subprocess.run(
         [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", *demo_overrides,
-         "agents.1.name=qwen_char", f"hydra.run.dir={tmp_path}"],
+         "agents=[{name:qwen_char,model_path:/m}]", f"hydra.run.dir={tmp_path}"],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
-    assert lines == ["error: agents[1].name='qwen_char': duplicate agent name; names must be unique"]
+    assert lines == [f"error: agents=[{{name:qwen_char,model_path:/m}}]: {AGENTS_FORM}"]
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
 
 

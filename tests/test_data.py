@@ -626,8 +626,8 @@ def test_corrupt_parquet_stops_the_cli_with_one_line_before_ray(tmp_path, tiny_a
 
     bad = _corrupt_files(tmp_path)["truncated.parquet"]
     r = subprocess.run([sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo",
-                        f"agents.0.model_path={tiny_agent_paths['qwen2-char-small']}",
-                        f"agents.1.model_path={tiny_agent_paths['llama-pair-medium']}",
+                        f"agents.qwen_char.model_path={tiny_agent_paths['qwen2-char-small']}",
+                        f"agents.llama_pair.model_path={tiny_agent_paths['llama-pair-medium']}",
                         f"data.train_files={bad}", f"hydra.run.dir={tmp_path}/hydra"],
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]

@@ -34,11 +34,12 @@ def test_three_agents_with_kl_to_reference_on_grafts_selected_prompts(tmp_path, 
     Llama-3.2 with the real Qwen3 and Llama-3 tokenizers), beside a tiny Qwen2."""
     from verl import DataProto
 
-    kinds = ["qwen2-char-small", "qwen3-tied", "llama3p2-tied"]
     warm = {**warm_agent_paths, **warm_real_agent_paths}
+    # the third agent added from the command line by name, as the README shows
+    third = f"+agents.llama3={{model_path:'{warm['llama3p2-tied']}',rollout_n:4,n_gpus_per_node:1,nnodes:1}}"
     records = run_main(
         str(tmp_path),
-        agent_overrides(warm, kinds)
+        agent_overrides(warm, ["qwen2-char-small", "qwen3-tied"]) + [third, "ray_kwargs.ray_init.num_gpus=3"]
         + ["trainer.total_training_steps=2", "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false",
            "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01",
            # the first update starts at the reference, where the KL term's gradient is rounding
@@ -75,7 +76,7 @@ def test_three_agents_with_kl_to_reference_on_grafts_selected_prompts(tmp_path, 
             assert not bool(batch.batch["advantages"][~chosen].any())
     # not vacuous: some learner trained on a peer's selected rows
     assert sum(steps[s][f"agent/{n}/cross/rows_selected"] for s in (1, 2) for n in names) > 0
-    for kind, name in zip(kinds, names):
+    for kind, name in zip(["qwen2-char-small", "qwen3-tied", "llama3p2-tied"], names):
         assert_weights_changed(warm[kind], os.path.join(tmp_path, "ckpt", "global_step_2", name))
 
 
@@ -105,7 +106,7 @@ def test_naive_sharing_with_agents_sharing_one_pool_taking_turns(tmp_path, warm_
     records = run_main(
         str(tmp_path),
         agent_overrides(warm_agent_paths, kinds)
-        + ["algorithm.hacpo.mode=naive", "agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0",
+        + ["algorithm.hacpo.mode=naive", "agents.qwen_char.n_gpus_per_node=0", "agents.llama_pair.n_gpus_per_node=0",
            "trainer.n_gpus_per_node=1", "ray_kwargs.ray_init.num_gpus=1", "trainer.total_training_steps=2",
            "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.val_before_train=false"]
         + golden_run_overrides("naive_shared_pool", str(tmp_path)),

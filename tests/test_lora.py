@@ -68,10 +68,10 @@ def test_fold_refuses_an_incomplete_adapter(tiny_agent_paths):
     "model, message",
     [
         ("lora_rank:8,lora_alpha:16,target_modules:all-linear",
-         r"agents\[0\]\.actor_rollout_ref\.model \(qwen_lora\)\.lora\.merge=false with rollout\.name=hf"),
+         r"agents\.qwen_lora\.actor_rollout_ref\.model\.lora\.merge=false with rollout\.name=hf"),
         ("lora_rank:8,lora_alpha:16,target_modules:null,lora:{merge:true}",
-         r"agents\[0\]\.actor_rollout_ref\.model \(qwen_lora\)\.target_modules: empty"),
-        ("lora_rank:8,lora_alpha:0,lora:{merge:true}", r"\(qwen_lora\): lora_rank=8, lora_alpha=0: need"),
+         r"agents\.qwen_lora\.actor_rollout_ref\.model\.target_modules: empty"),
+        ("lora_rank:8,lora_alpha:0,lora:{merge:true}", r"agents\.qwen_lora\.actor_rollout_ref\.model: lora_rank=8, lora_alpha=0: need"),
     ],
 )
 def test_a_lora_agent_the_run_cannot_serve_is_refused_before_ray(model, message):
@@ -79,22 +79,23 @@ def test_a_lora_agent_the_run_cannot_serve_is_refused_before_ray(model, message)
 
     from recipe_hacpo.config import ConfigError, validate
 
-    agents = (f"agents=[{{name:qwen_lora,model_path:/m/a,rollout_n:4,n_gpus_per_node:1,nnodes:1,"
-              f"actor_rollout_ref:{{model:{{{model}}}}}}},{{name:llama_full,model_path:/m/b,rollout_n:4,"
-              "n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{}}]")
+    agents = ["~agents", f"+agents={{qwen_lora:{{model_path:/m/a,rollout_n:4,n_gpus_per_node:1,nnodes:1,"
+              f"actor_rollout_ref:{{model:{{{model}}}}}}},llama_full:{{model_path:/m/b,rollout_n:4,"
+              "n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{}}}"]
     with initialize_config_module("recipe_hacpo.configs", version_base=None):
-        cfg = compose("hacpo_cpu_demo", overrides=[agents])
+        cfg = compose("hacpo_cpu_demo", overrides=agents)
     with pytest.raises(ConfigError, match=message):
         validate(cfg, check_paths=False)
 
 
 def _agents(paths: dict[str, str]) -> list[str]:
-    lora = (f"{{name:{NAMES[0]},model_path:'{paths['qwen2-char-small']}',rollout_n:4,n_gpus_per_node:1,nnodes:1,"
-            f"actor_rollout_ref:{{model:{{lora_rank:{RANK},lora_alpha:{ALPHA},target_modules:all-linear,"
-            "lora:{merge:true}},actor:{use_kl_loss:true,kl_loss_coef:0.1}}}")
-    full = (f"{{name:{NAMES[1]},model_path:'{paths['llama-pair-medium']}',rollout_n:4,n_gpus_per_node:1,nnodes:1,"
-            "actor_rollout_ref:{}}")
-    return [f"agents=[{lora},{full}]", "ray_kwargs.ray_init.num_gpus=2"]
+    from recipe_hacpo.config import agents_overrides
+
+    model = dict(lora_rank=RANK, lora_alpha=ALPHA, target_modules="all-linear", lora=dict(merge=True))
+    lora = dict(name=NAMES[0], model_path=paths["qwen2-char-small"], rollout_n=4, n_gpus_per_node=1, nnodes=1,
+                actor_rollout_ref=dict(model=model, actor=dict(use_kl_loss=True, kl_loss_coef=0.1)))
+    full = dict(name=NAMES[1], model_path=paths["llama-pair-medium"], rollout_n=4, n_gpus_per_node=1, nnodes=1)
+    return [*agents_overrides([lora, full]), "ray_kwargs.ray_init.num_gpus=2"]
 
 
 COMMON = ["trainer.total_training_steps=3", "trainer.save_freq=1", "trainer.test_freq=-1",

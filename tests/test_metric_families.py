@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from omegaconf import OmegaConf
 from training_worker import run_train_mini_batch
 from verl import DataProto
 from verl.utils import tensordict_utils as tu
@@ -37,6 +38,7 @@ def _trainer(names: list[str], *, shared_pool: bool = False) -> HacpoTrainer:
     t.agents = {s.name: SimpleNamespace(spec=s) for s in t.specs}
     t.agent_timing = {}
     t.global_step = 1
+    t.config = OmegaConf.create({"trainer": {}})
     return t
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from recipe_hacpo import placement
-from recipe_hacpo.config import agent_specs
+from recipe_hacpo.config import agent_specs, agents_overrides
 from helpers.compose import compose_config as _compose
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -33,7 +33,7 @@ def test_pools_of_the_8_gpu_preset():
 
 
 def test_shared_pool_and_cpu_bundles():
-    shared = _requests(["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0", "trainer.nnodes=2"])
+    shared = _requests(["agents.qwen3_4b_base.n_gpus_per_node=0", "agents.qwen3_8b_base.n_gpus_per_node=0", "trainer.nnodes=2"])
     [pool] = shared
     assert (pool.name, pool.agents, pool.process_on_nodes) == ("shared", ("qwen3_4b_base", "qwen3_8b_base"), (8, 8))
     assert pool.cpus_per_bundle == 2 + placement.SHARED_POOL_SPARE and pool.cpus == 16 * 3
@@ -55,20 +55,20 @@ def test_missing_cpus_are_a_shortfall_too():
 
 
 def test_a_pool_wider_than_any_node_is_rejected():
-    reqs = _requests(["agents.0.n_gpus_per_node=8", "agents.1.n_gpus_per_node=8"])
+    reqs = _requests(["agents.qwen3_4b_base.n_gpus_per_node=8", "agents.qwen3_8b_base.n_gpus_per_node=8"])
     nodes = [{"GPU": 4, "CPU": 32}] * 4
     with pytest.raises(placement.PlacementError, match=r"agent qwen3_4b_base: needs 8 GPU on one node but the largest node has 4"):
         placement.check_cluster(reqs, {"GPU": 16, "CPU": 128}, "cuda", nodes)
 
 
 def test_shared_pool_shortfall_names_its_agents():
-    reqs = _requests(["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"])
+    reqs = _requests(["agents.qwen3_4b_base.n_gpus_per_node=0", "agents.qwen3_8b_base.n_gpus_per_node=0"])
     with pytest.raises(placement.PlacementError, match=r"shared pool of agents qwen3_4b_base, qwen3_8b_base: needs 8 GPU"):
         placement.check_cluster(reqs, {"GPU": 4, "CPU": 64}, "cuda")
 
 
 def test_node_resource_pins_a_pool_to_the_nodes_that_offer_it():
-    reqs = _requests(["++agents.0.node_resource=rack_a", "++agents.1.node_resource=rack_b"])
+    reqs = _requests(["++agents.qwen3_4b_base.node_resource=rack_a", "++agents.qwen3_8b_base.node_resource=rack_b"])
     assert [r.node_resource for r in reqs] == ["rack_a", "rack_b"]
     a = {"GPU": 4, "CPU": 32, "rack_a": 1}
     b = {"GPU": 4, "CPU": 32, "rack_b": 1}
@@ -81,7 +81,7 @@ def test_node_resource_pins_a_pool_to_the_nodes_that_offer_it():
     with pytest.raises(placement.PlacementError, match=r"^agent qwen3_8b_base: node_resource=rack_b: no Ray node offers it "
                        r"\(custom resources: rack_a\); start its nodes with ray start --resources"):
         placement.check_cluster(reqs, {"GPU": 8, "CPU": 64}, "cuda", [a, {"GPU": 4, "CPU": 32, "node:10.0.0.2": 1}])
-    two = _requests(["++agents.0.node_resource=rack_a", "agents.0.nnodes=2", "agents.0.n_gpus_per_node=2"])
+    two = _requests(["++agents.qwen3_4b_base.node_resource=rack_a", "agents.qwen3_4b_base.nnodes=2", "agents.qwen3_4b_base.n_gpus_per_node=2"])
     with pytest.raises(placement.PlacementError, match=r"^agent qwen3_4b_base: needs 2 nodes with node_resource=rack_a but 1"):
         placement.check_cluster(two, {"GPU": 8, "CPU": 64}, "cuda", [a, b])
 
@@ -89,10 +89,10 @@ def test_node_resource_pins_a_pool_to_the_nodes_that_offer_it():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["++agents.0.node_resource=GPU"], r"^agents\[0\]\.node_resource='GPU' \(qwen3_4b_base\): must be a custom Ray resource"),
-        (["++agents.1.node_resource=a b"], r"^agents\[1\]\.node_resource='a b' \(qwen3_8b_base\): must be a custom Ray resource"),
-        (["++agents.0.node_resource=rack_a", "agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"],
-         r"^agents\[0\]\.node_resource='rack_a' \(qwen3_4b_base\): needs the agent's own pool"),
+        (["++agents.qwen3_4b_base.node_resource=GPU"], r"^agents\.qwen3_4b_base\.node_resource='GPU': must be a custom Ray resource"),
+        (["++agents.qwen3_8b_base.node_resource=a b"], r"^agents\.qwen3_8b_base\.node_resource='a b': must be a custom Ray resource"),
+        (["++agents.qwen3_4b_base.node_resource=rack_a", "agents.qwen3_4b_base.n_gpus_per_node=0", "agents.qwen3_8b_base.n_gpus_per_node=0"],
+         r"^agents\.qwen3_4b_base\.node_resource='rack_a': needs the agent's own pool"),
     ],
 )
 def test_node_resource_is_validated_with_one_line(overrides, message):
@@ -134,7 +134,7 @@ def test_placement_gives_up_after_the_timeout(monkeypatch):
 
     monkeypatch.setattr(ray, "wait", wait)
     monkeypatch.setattr(ray, "available_resources", lambda: {"GPU": 0.0})
-    cfg = _compose("pair_qwen3-4b-base_qwen3-8b-base", ["agents.0.nnodes=2", "++trainer.placement_timeout_s=7"])
+    cfg = _compose("pair_qwen3-4b-base_qwen3-8b-base", ["agents.qwen3_4b_base.nnodes=2", "++trainer.placement_timeout_s=7"])
     spec = agent_specs(cfg)[0]
     pool = placement.make_pool(placement.request_for(cfg, [spec], spec.name, "cuda"), cfg, "cuda")
     try:
@@ -171,7 +171,7 @@ def test_node_resource_is_in_every_bundle(monkeypatch):
 
     # read when the pool class is built, below: the fake groups have no node to sort by
     monkeypatch.setattr(verl_ray, "sort_placement_group_by_node_ip", lambda pgs: pgs)
-    cfg = _compose("pair_qwen3-4b-base_qwen3-8b-base", ["++agents.0.node_resource=rack_a"])
+    cfg = _compose("pair_qwen3-4b-base_qwen3-8b-base", ["++agents.qwen3_4b_base.node_resource=rack_a"])
     spec = agent_specs(cfg)[0]
     try:
         pool = placement.make_pool(placement.request_for(cfg, [spec], spec.name, "cuda"), cfg, "cuda")
@@ -250,11 +250,10 @@ def test_two_ray_nodes_each_agent_on_the_node_of_its_node_resource(tmp_path, tin
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     address = f"127.0.0.1:{port}"
-    agents = ",".join(
-        f"{{name:{name},model_path:'{tiny_agent_paths[kind]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,"
-        f"node_resource:{res},actor_rollout_ref:{{}}}}"
+    agents = agents_overrides([
+        dict(name=name, model_path=tiny_agent_paths[kind], rollout_n=4, n_gpus_per_node=1, nnodes=1, node_resource=res)
         for kind, name, res in (("qwen2-char-small", "qwen_char", "node_a"), ("llama-pair-medium", "llama_pair", "node_b"))
-    )
+    ])
     out = tmp_path / "run"
     common = [
         "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", f"++ray_kwargs.ray_init.address={address}",
@@ -277,8 +276,8 @@ def test_two_ray_nodes_each_agent_on_the_node_of_its_node_resource(tmp_path, tin
         f"{ray} start --address={address} --node-ip-address=127.0.0.1 --num-cpus=4 --num-gpus=3 "
         """--resources='{"node_b": 1}' --disable-usage-stats >ray-worker.log 2>&1 || exit 11""",
         f"{py} {probe} {address} placement.json >probe.log 2>&1 &",
-        f"{q([py, *common, f'agents=[{agents}]'])} >train.log 2>&1; echo $? >train.rc",
-        f"{q([py, *common, f'agents=[{agents}]', 'agents.0.n_gpus_per_node=4', '~agents.0.node_resource', *per_gpu_8])} "
+        f"{q([py, *common, *agents])} >train.log 2>&1; echo $? >train.rc",
+        f"{q([py, *common, *agents, 'agents.qwen_char.n_gpus_per_node=4', '~agents.qwen_char.node_resource', *per_gpu_8])} "
         ">toowide.log 2>&1; echo $? >toowide.rc",
     ])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "VERL_"))}

@@ -33,7 +33,7 @@ def _shape(name: str) -> planner.ModelShape:
 def _local_models(preset: str) -> list[str]:
     """Point both agents of a preset at the fixture config.json of its default hub model."""
     cfg = _compose(preset)
-    return [f"agents.{i}.model_path={SHAPES / Path(a.model_path).name}" for i, a in enumerate(cfg.agents)]
+    return [f"agents.{name}.model_path={SHAPES / Path(a.model_path).name}" for name, a in cfg.agents.items()]
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +113,7 @@ def test_every_preset_is_planned_and_fits_without_download(preset):
 def test_qwen3_4b_instruct_without_max_model_len_is_rejected_naming_the_agent():
     preset = "pair_qwen3-4b_qwen3-4b-instruct_4gpu"
     cfg = _compose(preset, _local_models(preset) + ["actor_rollout_ref.rollout.max_model_len=null"])
-    with pytest.raises(ConfigError, match=r"agents\[1\] \(qwen3_4b_instruct\).*max_model_len=262144 needs 36\.0 GiB") as err:
+    with pytest.raises(ConfigError, match=r"agents\.qwen3_4b_instruct .*max_model_len=262144 needs 36\.0 GiB") as err:
         validate(cfg)
     assert "\n" not in str(err.value)
     # Qwen3-4B's own maximum (40,960 tokens, 5.6 GiB) does fit: only agent 1 is at fault
@@ -123,7 +123,7 @@ def test_qwen3_4b_instruct_without_max_model_len_is_rejected_naming_the_agent():
 
 def test_two_replicas_at_half_the_gpu_on_a_shared_pool_are_rejected():
     preset = "pair_qwen3-4b-base_qwen3-8b-base"
-    shared = ["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"]
+    shared = ["agents.qwen3_4b_base.n_gpus_per_node=0", "agents.qwen3_8b_base.n_gpus_per_node=0"]
     cfg = _compose(preset, _local_models(preset) + shared)
     with pytest.raises(ConfigError, match=r"start-up phase with the other agents of its shared pool needs"):
         validate(cfg)
@@ -140,8 +140,8 @@ def test_two_replicas_at_half_the_gpu_on_a_shared_pool_are_rejected():
 def test_shared_pool_without_local_shapes_demands_offload_and_a_bounded_share():
     preset = "pair_qwen3-4b-base_qwen3-8b-base"
     # hub ids in no local cache and not among the shipped figures
-    shared = ["agents.0.model_path=example-org/model-a", "agents.1.model_path=example-org/model-b",
-              "agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0"]
+    shared = ["agents.qwen3_4b_base.model_path=example-org/model-a", "agents.qwen3_8b_base.model_path=example-org/model-b",
+              "agents.qwen3_4b_base.n_gpus_per_node=0", "agents.qwen3_8b_base.n_gpus_per_node=0"]
     plans = planner.plan(_compose(preset, shared), agent_specs(_compose(preset, shared)))
     assert not any(p.known for p in plans)
     assert "example-org/model-a: no config.json here" in planner.format_plan(plans, 80)
@@ -158,7 +158,7 @@ def test_shared_pool_without_local_shapes_demands_offload_and_a_bounded_share():
 def test_update_phase_that_cannot_fit_is_rejected():
     # Qwen3-8B on one GPU: 16 bytes × 8.2 B parameters = 122 GiB of FSDP state
     preset = "pair_qwen3-4b-base_qwen3-8b-base"
-    cfg = _compose(preset, _local_models(preset) + ["agents.1.n_gpus_per_node=1",
+    cfg = _compose(preset, _local_models(preset) + ["agents.qwen3_8b_base.n_gpus_per_node=1",
                                                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
     specs = agent_specs(cfg)
     plans = planner.plan(cfg, specs)
@@ -177,8 +177,8 @@ def test_max_model_len_shorter_than_prompt_plus_response_is_rejected():
 
 def test_max_model_len_beyond_the_model_is_rejected():
     preset = "pair_qwen3-1p7b-base_qwen3-4b-base"
-    cfg = _compose(preset, _local_models(preset) + ["++agents.0.actor_rollout_ref.rollout.max_model_len=65536"])
-    with pytest.raises(ConfigError, match=r"agents\[0\] \(qwen3_1p7b_base\).*exceeds .*max_position_embeddings=32768"):
+    cfg = _compose(preset, _local_models(preset) + ["++agents.qwen3_1p7b_base.actor_rollout_ref.rollout.max_model_len=65536"])
+    with pytest.raises(ConfigError, match=r"agents\.qwen3_1p7b_base: .*exceeds .*max_position_embeddings=32768"):
         validate(cfg)
 
 
@@ -191,7 +191,7 @@ def test_smaller_gpu_memory_key_changes_the_verdict():
 
 def test_trailing_slash_of_a_model_path_is_removed_before_ray():
     preset = "pair_qwen3-1p7b-base_qwen3-4b-base"
-    cfg = _compose(preset, [f"agents.0.model_path={SHAPES / 'Qwen3-1.7B-Base'}/", "agents.1.model_path=Qwen/Qwen3-4B-Base/"])
+    cfg = _compose(preset, [f"agents.qwen3_1p7b_base.model_path={SHAPES / 'Qwen3-1.7B-Base'}/", "agents.qwen3_4b_base.model_path=Qwen/Qwen3-4B-Base/"])
     specs = agent_specs(cfg)
     assert specs[0].model_path == str(SHAPES / "Qwen3-1.7B-Base")
     assert specs[1].model_path == "Qwen/Qwen3-4B-Base"
@@ -236,7 +236,7 @@ def test_plan_only_without_local_models_refuses_vllm_at_5_percent_for_the_8b_mod
     """No model on disk: the shipped figures judge the plan; 5 % of 80 GiB (4 GiB) cannot hold
     Qwen3-8B's 15.3 GiB of bf16 weights: exit 1 with one line naming the agent."""
     proc = _plan_only("pair_qwen3-4b-base_qwen3-8b-base",
-                      ["++agents.1.actor_rollout_ref.rollout.gpu_memory_utilization=0.05"], tmp_path)
+                      ["++agents.qwen3_8b_base.actor_rollout_ref.rollout.gpu_memory_utilization=0.05"], tmp_path)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert proc.stdout.count("not on disk: figures shipped in recipe_hacpo/model_specs.json") == 2
     assert proc.stdout.count("    fits") == 1  # the 4B agent, at the preset's 0.5
@@ -266,7 +266,7 @@ def test_hub_ids_in_the_local_cache_are_planned_without_download(tmp_path, monke
     assert [round(p.params / 1e9, 2) for p in plans] == [4.02, 8.19]
     # the shared-pool check uses the arithmetic (2 × 0.42 × 80 GiB + processes fits), not the
     # shape-free bound of 0.8 on the summed share (left for models with no figures at all)
-    shared = ["agents.0.n_gpus_per_node=0", "agents.1.n_gpus_per_node=0",
+    shared = ["agents.qwen3_4b_base.n_gpus_per_node=0", "agents.qwen3_8b_base.n_gpus_per_node=0",
               "actor_rollout_ref.actor.fsdp_config.param_offload=true",
               "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
               "actor_rollout_ref.rollout.gpu_memory_utilization=0.42"]
@@ -375,10 +375,10 @@ def test_lora_agent_trains_only_its_adapter_and_its_reference_is_the_actor():
     # Qwen3-8B on one 80 GiB GPU: full fine-tuning needs 16 bytes × 8.2 B parameters (rejected
     # above); with a rank-32 adapter the GPU holds the frozen fp32 base, and grads + Adam of P_r
     preset = "pair_qwen3-4b-base_qwen3-8b-base"
-    lora = ["agents.1.n_gpus_per_node=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+    lora = ["agents.qwen3_8b_base.n_gpus_per_node=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
             "actor_rollout_ref.actor.use_kl_loss=true",
-            "+agents.1.actor_rollout_ref.model.lora_rank=32", "+agents.1.actor_rollout_ref.model.target_modules=all-linear",
-            "+agents.1.actor_rollout_ref.model.lora.merge=true"]
+            "+agents.qwen3_8b_base.actor_rollout_ref.model.lora_rank=32", "+agents.qwen3_8b_base.actor_rollout_ref.model.target_modules=all-linear",
+            "+agents.qwen3_8b_base.actor_rollout_ref.model.lora.merge=true"]
     cfg = _compose(preset, _local_models(preset) + lora)
     full, adapter = planner.plan(cfg, agent_specs(cfg))
     p, pr = adapter.params, adapter.lora_params
@@ -392,5 +392,5 @@ def test_lora_agent_trains_only_its_adapter_and_its_reference_is_the_actor():
     text = planner.format_plan([full, adapter], 80)
     assert f"LoRA rank 32: {pr / 1e6:.1f} M trained" in text
     # without merging, vLLM serves the base weights and a bf16 adapter
-    unmerged = _compose(preset, _local_models(preset) + lora[:-1] + ["+agents.1.actor_rollout_ref.model.lora.merge=false"])
+    unmerged = _compose(preset, _local_models(preset) + lora[:-1] + ["+agents.qwen3_8b_base.actor_rollout_ref.model.lora.merge=false"])
     assert planner.plan(unmerged, agent_specs(unmerged))[1].vllm_weights == 2 * p + 2 * pr

@@ -196,15 +196,16 @@ def test_run_phase_turns_exceptions_into_one_line():
 
 def test_train_overrides_on_a_gpu_give_the_second_agent_offload_policy():
     o = preflight.train_overrides({"a": "/m/a", "b": "/m/b"}, "/w", cuda=True)
-    agents = next(x for x in o if x.startswith("agents="))
-    assert "{name:a,model_path:'/m/a',rollout_n:4,n_gpus_per_node:0" in agents
+    assert "~agents" in o
+    agents = next(x for x in o if x.startswith("+agents="))
+    assert "{a:{model_path:'/m/a',rollout_n:4,n_gpus_per_node:0" in agents
     assert "fsdp_config:{param_offload:true,optimizer_offload:true}" in agents
     assert "fsdp_config:{offload_policy:true}" in agents
     assert "trainer.device=cuda" in o and "+actor_rollout_ref.rollout.engine_kwargs.hf.device=cuda" in o
     assert "actor_rollout_ref.actor.fsdp_config.mixed_precision.param_dtype=bf16" in o
     assert "actor_rollout_ref.rollout.gpu_memory_utilization=0.15" in o  # the memory plan's vLLM share
     cpu = preflight.train_overrides({"a": "/m/a", "b": "/m/b"}, "/w", cuda=False)
-    assert "offload_policy" not in next(x for x in cpu if x.startswith("agents=")) and "trainer.device=cpu" in cpu
+    assert "offload_policy" not in next(x for x in cpu if x.startswith("+agents=")) and "trainer.device=cpu" in cpu
     v = preflight.train_overrides({"a": "/m/a", "b": "/m/b"}, "/w", cuda=True, vllm=True)
     assert "actor_rollout_ref.rollout.name=vllm" in v and not any("engine_kwargs.hf" in x for x in v)
 

@@ -38,8 +38,8 @@ PRESETS = sorted(p.stem for p in CONFIGS.glob("pair_*.yaml"))
 GPUS_8 = ["++ray_kwargs.ray_init.num_gpus=8"]
 # what run_scripts/_run_pair.sh adds for PLACEMENT=shared
 SHARED = [
-    "agents.0.n_gpus_per_node=0",
-    "agents.1.n_gpus_per_node=0",
+    "agents.qwen3_4b_base.n_gpus_per_node=0",
+    "agents.qwen3_8b_base.n_gpus_per_node=0",
     "actor_rollout_ref.actor.fsdp_config.param_offload=true",
     "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true",
     "actor_rollout_ref.rollout.gpu_memory_utilization=0.35",
@@ -142,7 +142,7 @@ def test_paths_come_from_the_environment(monkeypatch):
         # and vLLM at 0.35 (two replicas are awake together after a weight sync)
         (SHARED, 8),
         # the SLURM script on 2 nodes x 8 GPUs: one node per agent
-        (["trainer.nnodes=2", "agents.0.n_gpus_per_node=8", "agents.1.n_gpus_per_node=8"], 16),
+        (["trainer.nnodes=2", "agents.qwen3_4b_base.n_gpus_per_node=8", "agents.qwen3_8b_base.n_gpus_per_node=8"], 16),
         # the SLURM script with PLACEMENT=shared on 2 nodes x 8 GPUs
         (["trainer.nnodes=2"] + SHARED, 16),
     ],
@@ -157,8 +157,8 @@ def test_placement_variants_validate(overrides, gpus):
     [
         (["++ray_kwargs.ray_init.num_gpus=4"], r"pools need 8 GPUs .* but the cluster has 4"),
         (GPUS_8 + ["actor_rollout_ref.actor.ppo_mini_batch_size=48"], r"data\.train_batch_size=128 is not divisible by .*ppo_mini_batch_size=48"),
-        (GPUS_8 + ["agents.1.n_gpus_per_node=3"], r"agents\[1\] \(qwen3_4b_instruct\): a mini-batch of 512 rows .* does not split over its 3 GPUs"),
-        (GPUS_8 + ["agents.1.model_path="], r"agents\[1\]\.model_path: missing"),
+        (GPUS_8 + ["agents.qwen3_4b_instruct.n_gpus_per_node=3"], r"agents\.qwen3_4b_instruct: a mini-batch of 512 rows .* does not split over its 3 GPUs"),
+        (GPUS_8 + ["agents.qwen3_4b_instruct.model_path="], r"agents\.qwen3_4b_instruct\.model_path: missing"),
     ],
 )
 def test_bad_preset_overrides_are_rejected(overrides, message):

@@ -67,8 +67,10 @@ def _fake_python(tmp_path: Path) -> tuple[Path, Path]:
 
 
 def test_readme_names_the_make_targets_and_ci_runs_make_test():
-    for cmd in ("make demo", "make test", "make test-quick"):
-        assert cmd in README, f"README.md does not mention `{cmd}`"
+    assert "make demo" in README, "README.md does not mention `make demo`"
+    developing = (REPO / "docs" / "DEVELOPING.md").read_text()
+    for cmd in ("make test", "make test-quick"):
+        assert cmd in developing, f"docs/DEVELOPING.md does not mention `{cmd}`"
     ci = (REPO / ".ci" / "run").read_text()
     assert re.search(r"^\s*make test\s*$", ci, re.M), ".ci/run must run `make test`"
     assert "pip install" not in ci, ".ci/run must not install by itself (make test does)"
@@ -78,6 +80,43 @@ def test_readme_names_the_make_targets_and_ci_runs_make_test():
     assert "On a GPU, only the preflight has run" in status and "have not run" in status
     for link in re.findall(r"\]\(([^)#]+)\)", README):
         assert link.startswith("http") or (REPO / link).exists(), f"README links a missing file: {link}"
+
+
+def _readme_trainer_commands() -> list[tuple[str, list[str]]]:
+    """(config name, overrides) of every `python -m recipe_hacpo.main` line in the README's bash blocks."""
+    import shlex
+
+    found = []
+    for block in re.findall(r"```bash\n(.*?)```", README, re.S):
+        for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+            if "recipe_hacpo.main" not in line:
+                continue
+            argv = shlex.split(line, comments=True)
+            args = argv[argv.index("recipe_hacpo.main") + 1:]
+            name = "hacpo_trainer"
+            if "--config-name" in args:
+                at = args.index("--config-name")
+                name = args[at + 1]
+                del args[at:at + 2]
+            found.append((name, [a for a in args if not a.startswith("[")]))  # `[hydra overrides...]`
+    return found
+
+
+def test_every_trainer_command_of_the_readme_composes_and_passes_the_checks(monkeypatch):
+    """The README's commands, agents by name, three agents and a Ray cluster included: each composes
+    with Hydra and passes every check made before Ray (model and data paths aside: none is here)."""
+    from helpers.compose import compose_config
+
+    from recipe_hacpo.config import validate
+
+    for var in ("HACPO_MODEL_A", "HACPO_MODEL_B", "HACPO_DATA_DIR", "HACPO_OUTPUT_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    commands = _readme_trainer_commands()
+    assert len(commands) >= 4 and any(any(a.startswith("+agents.") for a in args) for _, args in commands)
+    for name, args in commands:
+        specs, _ = validate(compose_config(name, args), check_paths=False)
+        if any(a.startswith("+agents.") for a in args):
+            assert len(specs) == 3, (name, args)
 
 
 def test_readme_evaluate_example_reads_where_the_presets_write():

@@ -24,7 +24,7 @@ from helpers.golden import check_golden, training_metrics
 from verl import DataProto
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.config import AgentSpec
+from recipe_hacpo.config import AgentSpec, agents_overrides
 from recipe_hacpo.core_algos import CapabilityTracker
 from recipe_hacpo.reliability import (
     LATEST_FILE,
@@ -156,13 +156,13 @@ def test_a_resume_onto_another_gpu_count_is_refused_before_ray_naming_both_layou
 
     check("trainer.resume_mode=auto")
     with pytest.raises(ConfigError, match=r"^resume from \S*global_step_2: agent llama_pair was saved by 1 GPU rank\(s\), "
-                                          r"this run gives it 2 \(agents\[1\]\.n_gpus_per_node x nnodes"):
-        check("trainer.resume_mode=auto", "agents.1.n_gpus_per_node=2")
+                                          r"this run gives it 2 \(agents\.llama_pair\.n_gpus_per_node x nnodes"):
+        check("trainer.resume_mode=auto", "agents.llama_pair.n_gpus_per_node=2")
     with pytest.raises(ConfigError, match=r"agent qwen_char was saved by 1 GPU rank\(s\), this run gives it 3"):
-        check("trainer.resume_mode=auto", "agents.0.n_gpus_per_node=0", "trainer.n_gpus_per_node=3")
+        check("trainer.resume_mode=auto", "agents.qwen_char.n_gpus_per_node=0", "trainer.n_gpus_per_node=3")
     with pytest.raises(ConfigError, match="global_step_1: agent llama_pair"):
-        check("trainer.resume_mode=resume_path", f"trainer.resume_from_path={root}/global_step_1", "agents.1.nnodes=2")
-    check("trainer.resume_mode=disable", "agents.1.n_gpus_per_node=2")  # a new run: nothing to resume
+        check("trainer.resume_mode=resume_path", f"trainer.resume_from_path={root}/global_step_1", "agents.llama_pair.nnodes=2")
+    check("trainer.resume_mode=disable", "agents.llama_pair.n_gpus_per_node=2")  # a new run: nothing to resume
 
 
 def test_retention_keeps_the_newest_complete_checkpoints_and_a_kill_while_pruning_leaves_a_resumable_folder(
@@ -659,17 +659,18 @@ def test_cli_empty_parquet_and_batch_larger_than_dataset(tmp_path, monkeypatch, 
 @pytest.mark.parametrize(
     "extra, line",
     [
-        (["agents.1.model_path=/nonexistent/model"],
-         "error: agents[1].model_path='/nonexistent/model' (llama_pair): not a local directory with config.json "
+        (["agents.llama_pair.model_path=/nonexistent/model"],
+         "error: agents.llama_pair.model_path='/nonexistent/model': not a local directory with config.json "
          "and not found in the local Hugging Face cache; download it first or fix the path"),
         (["data.train_batch_size=6"],
-         "error: agents[0] (qwen_char): data.train_batch_size=6 is not divisible by "
+         "error: agents.qwen_char: data.train_batch_size=6 is not divisible by "
          "actor_rollout_ref.actor.ppo_mini_batch_size=4; pick a mini-batch that divides the batch"),
         (["ray_kwargs.ray_init.num_gpus=1"],
          "error: agents: pools need 2 GPUs (qwen_char=1, llama_pair=1) but the cluster has 1; "
          "shrink n_gpus_per_node or set 0 to share trainer.n_gpus_per_node"),
-        (["agents.1.name=qwen_char"],
-         "error: agents[1].name='qwen_char': duplicate agent name; names must be unique"),
+        (["+agents.llama_pair.temperature=1"],
+         "error: agents.llama_pair.temperature: not an agent key (an agent sets model_path, rollout_n, n_gpus_per_node, "
+         "nnodes, node_resource, actor_rollout_ref)"),
         (["reward.custom_reward_function.path=/nonexistent/reward.py"],
          "error: reward.custom_reward_function.path='/nonexistent/reward.py': file not found"),
         (["+reward.custom_reward_function.reward_kwargs.timeout_s=-1"],
@@ -685,8 +686,8 @@ def test_cli_bad_agent_settings_one_line_before_ray(tmp_path, monkeypatch, capsy
 
 
 def test_cli_one_agent_in_sharing_mode_and_missing_reward_function(tmp_path, monkeypatch, capsys, tiny_agent_paths):
-    one = f"agents=[{{name:solo,model_path:'{tiny_agent_paths['qwen2-char-small']}',rollout_n:4,n_gpus_per_node:1,nnodes:1}}]"
-    code, lines = run_main_in_process(monkeypatch, capsys, [one, "algorithm.hacpo.mode=naive"])
+    one = agents_overrides([dict(name="solo", model_path=tiny_agent_paths["qwen2-char-small"], rollout_n=4, n_gpus_per_node=1)])
+    code, lines = run_main_in_process(monkeypatch, capsys, [*one, "algorithm.hacpo.mode=naive"])
     assert (code, lines) == (2, [
         "error: algorithm.hacpo.mode=naive: sharing needs at least 2 agents, got 1; add an agent or use mode=isolated"
     ])
@@ -694,7 +695,7 @@ def test_cli_one_agent_in_sharing_mode_and_missing_reward_function(tmp_path, mon
     reward.write_text("def other(**kw):\n    return 0.0\n")
     code, lines = run_main_in_process(
         monkeypatch, capsys,
-        [one, "algorithm.hacpo.mode=isolated", f"reward.custom_reward_function.path={reward}",
+        [*one, "algorithm.hacpo.mode=isolated", f"reward.custom_reward_function.path={reward}",
          "reward.custom_reward_function.name=compute_score"],
     )
     assert code == 2 and len(lines) == 1

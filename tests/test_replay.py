@@ -89,13 +89,13 @@ def test_replay_is_checked_before_anything_starts(tmp_path, demo_overrides):
     with pytest.raises(ConfigError, match=r"no manifest.json; record with trainer.record_rollouts_dir=DIR"):
         validate(_first_agent_only(_compose("hacpo_cpu_demo", demo_overrides + graft)))
     (tmp_path / "llama_pair" / MANIFEST).write_text(json.dumps({"name": "llama_pair", "model_path": "/m", "rollout_n": 8}))
-    with pytest.raises(ConfigError, match=r"^agents\[0\] \(qwen_char\): rollout_n=4 but the recorded peer 'llama_pair' "
+    with pytest.raises(ConfigError, match=r"^agents\.qwen_char: rollout_n=4 but the recorded peer 'llama_pair' "
                                           r"sampled 8 per prompt"):
         validate(_first_agent_only(_compose("hacpo_cpu_demo", demo_overrides + graft)))
     with pytest.raises(ConfigError, match=r"trains one agent alone against the recording, got 2 agents"):
         validate(_compose("hacpo_cpu_demo", demo_overrides + graft))
     specs, hacpo = validate(_first_agent_only(_compose("hacpo_cpu_demo", demo_overrides + graft
-                                                       + ["agents.0.rollout_n=8"])))
+                                                       + ["agents.qwen_char.rollout_n=8"])))
     assert [s.name for s in specs] == ["qwen_char"] and hacpo.replay_peer == f"{tmp_path}/llama_pair"
     with pytest.raises(ConfigError, match=r"replays a recorded peer for mode=graft"):
         validate(_first_agent_only(_compose("hacpo_cpu_demo", demo_overrides + [graft[1]])))

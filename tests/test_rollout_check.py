@@ -142,12 +142,12 @@ def test_bad_values_fail_in_one_line(node, message):
 
 
 def test_a_checking_action_needs_the_engines_log_probs(tiny_agent_paths):
-    paths = [f"agents.0.model_path={tiny_agent_paths['qwen2-char-small']}",
-             f"agents.1.model_path={tiny_agent_paths['llama-pair-medium']}"]
-    off = "+agents.1.actor_rollout_ref.rollout.calculate_log_probs=false"
+    paths = [f"agents.qwen_char.model_path={tiny_agent_paths['qwen2-char-small']}",
+             f"agents.llama_pair.model_path={tiny_agent_paths['llama-pair-medium']}"]
+    off = "+agents.llama_pair.actor_rollout_ref.rollout.calculate_log_probs=false"
     with pytest.raises(ConfigError) as err:
         validate(_compose(paths + [off]))
-    assert str(err.value).startswith("agents[1] (llama_pair): actor_rollout_ref.rollout.calculate_log_probs=false")
+    assert str(err.value).startswith("agents.llama_pair: actor_rollout_ref.rollout.calculate_log_probs=false")
     validate(_compose(paths + [off, "trainer.rollout_check.action=off"]))  # measuring nothing is allowed
     with pytest.raises(ConfigError, match=r"^trainer.rollout_check.action='nope'"):
         validate(_compose(paths + ["trainer.rollout_check.action=nope"]))
@@ -230,12 +230,14 @@ def test_a_withheld_sync_stops_the_run_before_the_update_and_keeps_the_last_chec
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = str(tmp_path)
-    agents = ",".join(
-        f"{{name:{name},model_path:'{warm_agent_paths[kind]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
+    from recipe_hacpo.config import agents_overrides
+
+    agents = agents_overrides([
+        dict(name=name, model_path=warm_agent_paths[kind], rollout_n=4, n_gpus_per_node=1, nnodes=1)
         for kind, name in (("qwen2-char-small", "qwen_char"), ("llama-pair-medium", "llama_pair"))
-    )
+    ])
     cmd = [sys.executable, os.path.join(repo, "tests", "vllm_driver.py"), "--config-name", "hacpo_cpu_demo",
-           f"agents=[{agents}]", "ray_kwargs.ray_init.num_gpus=2", "trainer.logger=[console,file]",
+           *agents, "ray_kwargs.ray_init.num_gpus=2", "trainer.logger=[console,file]",
            f"trainer.default_local_dir={out}/ckpt", f"hydra.run.dir={out}/hydra", "trainer.progress_bar=false",
            "trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.test_freq=-1",
            "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches"]

@@ -35,6 +35,10 @@ flood_usr1() {
         sleep 0.002
     done
 }
+if [[ $name == python && ${2:-} == recipe_hacpo.agent_names ]]; then
+    # the real composition: the script splits the allocation between the agents it names
+    exec "$STANDIN_PYTHON" "$@"
+fi
 if [[ $name == python && ${1:-} == *wait_for_ray.py ]]; then
     # like the real check: return once every node's `ray start` has run (at most 10 s)
     nodes=$(sed -n 's/.*--nodes \([0-9]*\).*/\1/p' <<<"$*")
@@ -123,7 +127,7 @@ def standins(tmp_path):
         for k, v in os.environ.items()
         if not k.startswith(("SLURM_", "SLURMD_", "HACPO_", "RAY_", "HF_")) and k not in ("PAIR", "PRESET", "PLACEMENT", "VIRTUAL_ENV")
     }
-    env.update(PATH=f"{bin_dir}:{env['PATH']}", STANDIN_LOG=str(log), RAY_START_DELAY="0")
+    env.update(PATH=f"{bin_dir}:{env['PATH']}", STANDIN_LOG=str(log), RAY_START_DELAY="0", STANDIN_PYTHON=sys.executable)
 
     def run(script: Path, args=(), **extra_env):
         proc = subprocess.run(
@@ -172,7 +176,7 @@ def test_pair_script_passes_paths_and_overrides_through(standins):
     proc, calls = standins(script, PLACEMENT="shared", PRESET=f"pair_{PAIR}_4gpu")
     [(argv, _)] = calls
     assert argv[4] == f"pair_{PAIR}_4gpu"
-    assert "agents.0.n_gpus_per_node=0" in argv and "agents.1.n_gpus_per_node=0" in argv
+    assert "agents_n_gpus_per_node=0" in argv
 
     proc, calls = standins(script, PLACEMENT="both")
     assert proc.returncode == 2 and "PLACEMENT=both" in proc.stderr and calls == []
@@ -218,15 +222,15 @@ def test_slurm_two_nodes_starts_head_worker_and_trainer(standins):
         "trainer.nnodes=2",
         "trainer.n_gpus_per_node=8",
         "++ray_kwargs.ray_init.address=auto",
-        "agents.0.n_gpus_per_node=8",
-        "agents.0.nnodes=1",
-        "agents.1.n_gpus_per_node=8",
-        "agents.1.nnodes=1",
+        "agents.qwen3_1p7b_base.n_gpus_per_node=8",
+        "agents.qwen3_1p7b_base.nnodes=1",
+        "agents.qwen3_4b_base.n_gpus_per_node=8",
+        "agents.qwen3_4b_base.nnodes=1",
     ):
         assert arg in trainer, arg
-    # the split's overrides follow the user's, so an `agents=[...]` of theirs cannot drop them
+    # the split's overrides follow the user's, so a '~agents' '+agents={...}' of theirs cannot drop them
     user = trainer.index("trainer.total_training_steps=3")
-    assert user < trainer.index("agents.0.n_gpus_per_node=8") and user < trainer.index("++agents.1.node_resource=hacpo_split_1")
+    assert user < trainer.index("agents.qwen3_1p7b_base.n_gpus_per_node=8") and user < trainer.index("++agents.qwen3_4b_base.node_resource=hacpo_split_1")
     assert env["RAY_ADDRESS"] == "10.0.0.1:6379" and env["PLACEMENT"] == "preset"
 
     # order: head and worker started, then the wait for every GPU, then the trainer, then the
@@ -248,7 +252,7 @@ def test_slurm_two_nodes_starts_head_worker_and_trainer(standins):
     assert len(tokens) == 1 and len(tokens.pop()) == 64
     # each half of the split gets its own Ray node resource, and each agent asks for its half's
     assert _opt(head, "--resources") == '{"hacpo_split_0": 1}' and _opt(worker, "--resources") == '{"hacpo_split_1": 1}'
-    assert "++agents.0.node_resource=hacpo_split_0" in trainer and "++agents.1.node_resource=hacpo_split_1" in trainer
+    assert "++agents.qwen3_1p7b_base.node_resource=hacpo_split_0" in trainer and "++agents.qwen3_4b_base.node_resource=hacpo_split_1" in trainer
     # the trainer joins with the cluster's resources, not the preset's
     assert "++ray_kwargs.ray_init.num_cpus=null" in trainer and "++ray_kwargs.ray_init.num_gpus=null" in trainer
     # hub ids: nothing says the models are local, so the hub setting is left alone
@@ -266,7 +270,7 @@ def test_slurm_one_node_and_shared_placement(standins):
     starts = [argv for argv, _ in calls if argv[0] == "srun" and "start" in argv]
     assert len(starts) == 1 and "--head" in starts[0] and _opt(starts[0], "--resources") is None
     trainer, _ = _trainer(calls)
-    assert "trainer.nnodes=1" in trainer and "agents.0.n_gpus_per_node=4" in trainer and "agents.1.n_gpus_per_node=4" in trainer
+    assert "trainer.nnodes=1" in trainer and "agents.qwen3_1p7b_base.n_gpus_per_node=4" in trainer and "agents.qwen3_4b_base.n_gpus_per_node=4" in trainer
     assert not any("node_resource" in a for a in trainer)
 
     proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02", "gpu03"], gpus=4), PAIR=PAIR, PLACEMENT="shared")
@@ -275,8 +279,38 @@ def test_slurm_one_node_and_shared_placement(standins):
     trainer, env = _trainer(calls)
     assert "trainer.nnodes=3" in trainer and "trainer.n_gpus_per_node=4" in trainer
     # the pair script turns PLACEMENT=shared into the shared-pool overrides
-    assert env["PLACEMENT"] == "shared" and "agents.0.n_gpus_per_node=0" in trainer
-    assert not any(a.startswith("agents.0.nnodes") for a in trainer)
+    assert env["PLACEMENT"] == "shared" and "agents_n_gpus_per_node=0" in trainer
+    assert not any(a.startswith("agents.") for a in trainer)
+
+
+def test_slurm_splits_the_allocation_between_however_many_agents_the_command_line_gives(standins, tmp_path):
+    """Three agents (the CPU preset's two and one added by name): whole nodes each on three nodes;
+    two agents a node on two nodes (the second node's other half idle); refused in one line when
+    the agents a node do not divide its GPUs."""
+    third = f"+agents.qwen_mid={{model_path:{tmp_path},rollout_n:4,n_gpus_per_node:1}}"
+    proc, calls = standins(SLURM, [third], **_slurm_env(["gpu01", "gpu02", "gpu03"], gpus=2), PRESET="hacpo_cpu_demo")
+    assert proc.returncode == 0, proc.stderr
+    trainer, _ = _trainer(calls)
+    for g, name in enumerate(("qwen_char", "llama_pair", "qwen_mid")):
+        assert {f"agents.{name}.n_gpus_per_node=2", f"agents.{name}.nnodes=1",
+                f"++agents.{name}.node_resource=hacpo_split_{g}"} <= set(trainer), trainer
+    starts = [a for a, _ in calls if a[0] == "srun" and "start" in a]
+    assert sorted(_opt(a, "--resources") for a in starts) == [f'{{"hacpo_split_{g}": 1}}' for g in range(3)]
+
+    proc, calls = standins(SLURM, [third], **_slurm_env(["gpu01", "gpu02"], gpus=2), PRESET="hacpo_cpu_demo")
+    assert proc.returncode == 0, proc.stderr
+    trainer, _ = _trainer(calls)
+    assert {"agents.qwen_char.n_gpus_per_node=1", "++agents.qwen_char.node_resource=hacpo_split_0",
+            "++agents.llama_pair.node_resource=hacpo_split_0", "++agents.qwen_mid.node_resource=hacpo_split_1"} <= set(trainer)
+    assert "hacpo: PLACEMENT=split: 3 agents of 1 GPUs each leave 1 GPU(s) of the allocation idle" in proc.stdout
+
+    proc, calls = standins(SLURM, [third], **_slurm_env(["gpu01", "gpu02"], gpus=3), PRESET="hacpo_cpu_demo")
+    assert proc.returncode == 2 and "PLACEMENT=split: 3 agents on 2 node(s) x 3 GPUs: 2 agents a node do not divide" in proc.stderr
+    assert not any(argv[0] == "srun" for argv, _ in calls)
+    # the old list form: the composition says what to write instead, before Ray starts
+    proc, calls = standins(SLURM, ["agents.0.rollout_n=2"], **_slurm_env(["gpu01"], gpus=2), PRESET="hacpo_cpu_demo")
+    assert proc.returncode == 2 and "error: agents.0.rollout_n=2: agents are keyed by name" in proc.stderr
+    assert not any(argv[0] == "srun" for argv, _ in calls)
 
 
 def test_slurm_preset_without_pair_runs_the_trainer_itself(standins):
@@ -285,8 +319,8 @@ def test_slurm_preset_without_pair_runs_the_trainer_itself(standins):
     assert proc.returncode == 0, proc.stderr
     trainer, env = _trainer(calls)
     assert trainer[1:5] == ["-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo"]
-    assert "agents.0.n_gpus_per_node=1" in trainer and "++agents.1.node_resource=hacpo_split_1" in trainer
-    assert "++ray_kwargs.ray_init.num_gpus=null" in trainer and trainer[-1] == "++agents.1.node_resource=hacpo_split_1"
+    assert "agents.qwen_char.n_gpus_per_node=1" in trainer and "++agents.llama_pair.node_resource=hacpo_split_1" in trainer
+    assert "++ray_kwargs.ray_init.num_gpus=null" in trainer and trainer[-1] == "++agents.llama_pair.node_resource=hacpo_split_1"
     assert "trainer.total_training_steps=2" in trainer
     assert any(a.startswith("hydra.run.dir=") and a.endswith("slurm-4242/hydra") for a in trainer)
     # the mode asked for is the one every process gets; no token in disabled mode
@@ -308,7 +342,8 @@ def test_slurm_preset_without_pair_runs_the_trainer_itself(standins):
         ({"PAIR": PAIR, "GPU_VENDOR": "intel"}, "GPU_VENDOR=intel: expected nvidia or amd"),
         ({"PAIR": "gpt-9"}, "PAIR=gpt-9: no run_scripts/pair_gpt-9.sh"),
         ({"PAIR": PAIR, "PRESET": "pair_nope"}, "no configs/pair_nope.yaml"),
-        ({"PAIR": PAIR, "STANDIN_HOSTS": "gpu01 gpu02 gpu03"}, "PLACEMENT=split needs an even number of nodes"),
+        ({"PAIR": PAIR, "STANDIN_HOSTS": "gpu01", "GPUS_PER_NODE": "3"},
+         "PLACEMENT=split: 2 agents on 1 node(s) x 3 GPUs: 2 agents a node do not divide its 3 GPUs"),
         ({"PAIR": PAIR, "CPUS_PER_NODE": "many"}, "CPUs per node 'many' is not a positive number"),
         ({"PAIR": PAIR, "STANDIN_ROUTE": "", "STANDIN_ADDRS": "127.0.1.1 fe80::1"}, "no routable address"),
     ],

@@ -362,8 +362,8 @@ def test_sgt_lambda_is_declared_once_with_its_default():
 def test_mode_sgt_config_counts_one_slot_per_prompt(tiny_agent_paths):
     from recipe_hacpo.config import validate
 
-    paths = [f"agents.0.model_path={tiny_agent_paths['qwen2-char-small']}",
-             f"agents.1.model_path={tiny_agent_paths['llama-pair-medium']}"]
+    paths = [f"agents.qwen_char.model_path={tiny_agent_paths['qwen2-char-small']}",
+             f"agents.llama_pair.model_path={tiny_agent_paths['llama-pair-medium']}"]
     # hacpo_cpu_demo: mini-batches of 4 prompts × (4 own + 1 slot) = 20 rows; micro-batches of 16 do not divide
     with pytest.raises(ConfigError) as err:
         validate(_compose(paths + ["+baseline=sgt", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]))

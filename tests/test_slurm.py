@@ -59,12 +59,13 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def agents(warm_agent_paths) -> str:
-    agents = ",".join(
-        f"{{name:{name},model_path:'{warm_agent_paths[kind]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
+def agents(warm_agent_paths) -> list[str]:
+    from recipe_hacpo.config import agents_overrides
+
+    return agents_overrides([
+        dict(name=name, model_path=warm_agent_paths[kind], rollout_n=4, n_gpus_per_node=1, nnodes=1)
         for kind, name in (("qwen2-char-small", "qwen_char"), ("llama-pair-medium", "llama_pair"))
-    )
-    return f"agents=[{agents}]"
+    ])
 
 
 def submit(cluster: SlurmCluster, name: str, agents: str, *, nodes: int, gpus: int, ckpt: Path | None = None,
@@ -93,7 +94,7 @@ def submit(cluster: SlurmCluster, name: str, agents: str, *, nodes: int, gpus: i
     base = {k: v for k, v in cluster.env.items()
             if not k.startswith(("RAY_", "HACPO_", "VERL_", "HF_", "PAIR", "PRESET", "PLACEMENT", "VIRTUAL_ENV"))}
     args = [
-        agents,
+        *agents,
         f"trainer.total_training_steps={steps}", "trainer.save_freq=1", "trainer.test_freq=-1",
         "trainer.val_before_train=false", "trainer.resume_mode=auto", "trainer.progress_bar=false",
         "trainer.logger=[console,file]", f"trainer.default_local_dir={ckpt or out / 'ckpt'}",

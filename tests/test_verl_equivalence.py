@@ -103,11 +103,13 @@ def test_isolated_recipe_equals_verl_main_ppo_first_step(tmp_path, tiny_agent_pa
     # the recipe, one agent, no sharing
     ours_dir = tmp_path / "ours"
     ours_dir.mkdir()
-    agent = f"{{name:solo,model_path:'{model}',rollout_n:{N},n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
+    from recipe_hacpo.config import agents_overrides
+
+    agent = agents_overrides([dict(name="solo", model_path=model, rollout_n=N, n_gpus_per_node=1, nnodes=1)])
     metrics_file = ours_dir / "metrics.jsonl"
     _run(
         [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", *common,
-         "trainer.logger=[console,file]", f"agents=[{agent}]", "ray_kwargs.ray_init.num_gpus=1",
+         "trainer.logger=[console,file]", *agent, "ray_kwargs.ray_init.num_gpus=1",
          "algorithm.hacpo.mode=isolated", f"trainer.learner_batch_dir={ours_dir}/batches",
          f"trainer.default_local_dir={ours_dir}/ckpt", f"hydra.run.dir={ours_dir}/hydra", "trainer.progress_bar=false"],
         cwd=REPO, extra_env={"VERL_FILE_LOGGER_PATH": str(metrics_file)},

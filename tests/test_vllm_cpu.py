@@ -122,8 +122,8 @@ def test_a_vllm_cpu_run_is_refused_before_ray_in_one_line(tmp_path):
     paths = tiny_agents.build_default_agents(str(tmp_path), ("qwen2-char-h32", "llama-pair-h32"))
     with initialize_config_module("recipe_hacpo.configs", version_base=None):
         cfg = compose("hacpo_cpu_demo", overrides=[
-            "+rollout=vllm_cpu", f"agents.0.model_path={paths['qwen2-char-h32']}",
-            f"agents.1.model_path={paths['llama-pair-h32']}",
+            "+rollout=vllm_cpu", f"agents.qwen_char.model_path={paths['qwen2-char-h32']}",
+            f"agents.llama_pair.model_path={paths['llama-pair-h32']}",
         ])
     with pytest.raises(ConfigError) as err:
         validate(cfg)

@@ -164,14 +164,14 @@ def test_an_agent_whose_head_size_vllm_cpu_refuses_stops_before_ray(tmp_path):
     ok = tiny_agents.build_agent(str(tmp_path), "llama-pair-h32")
     proc = subprocess.run(
         [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", "+rollout=vllm_cpu",
-         f"agents.0.model_path={small}", f"agents.1.model_path={ok}", f"hydra.run.dir={tmp_path}/hydra"],
+         f"agents.qwen_char.model_path={small}", f"agents.llama_pair.model_path={ok}", f"hydra.run.dir={tmp_path}/hydra"],
         cwd=REPO, env=dict(os.environ, HACPO_DATA_DIR=os.path.join(REPO, "data")), capture_output=True, text=True,
         timeout=300,
     )
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert errors == [
-        f"error: agents[0].model_path={small!r} (qwen_char): head size 16 is not supported by vLLM's CPU attention "
+        f"error: agents.qwen_char.model_path={small!r}: head size 16 is not supported by vLLM's CPU attention "
         "(supported: 32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512); use rollout.name=hf or another model"
     ], proc.stderr[-3000:]
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
@@ -204,11 +204,10 @@ def ray_tmp():
 
 
 def _agents(paths: dict[str, str], kinds) -> list[str]:
-    agents = ",".join(
-        f"{{name:{NAMES[k]},model_path:'{paths[k]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
-        for k in kinds
-    )
-    return [f"agents=[{agents}]", f"ray_kwargs.ray_init.num_gpus={len(kinds)}"]
+    from recipe_hacpo.config import agents_overrides
+
+    entries = [dict(name=NAMES[k], model_path=paths[k], rollout_n=4, n_gpus_per_node=1, nnodes=1) for k in kinds]
+    return [*agents_overrides(entries), f"ray_kwargs.ray_init.num_gpus={len(kinds)}"]
 
 
 def _cmd(out: str, overrides: list[str]) -> list[str]:

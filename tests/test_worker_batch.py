@@ -64,8 +64,8 @@ def _runtime(paths, extra: tuple[str, ...] = ()):
 
     with initialize_config_module("recipe_hacpo.configs", version_base=None):
         cfg = compose("hacpo_cpu_demo", overrides=[
-            f"agents.0.model_path={paths['qwen2-char-small']}",
-            f"agents.1.model_path={paths['llama-pair-medium']}",
+            f"agents.qwen_char.model_path={paths['qwen2-char-small']}",
+            f"agents.llama_pair.model_path={paths['llama-pair-medium']}",
             f"data.train_batch_size={PROMPTS}",
             "actor_rollout_ref.actor.ppo_mini_batch_size=2",
             *extra,
@@ -161,7 +161,7 @@ def test_log_prob_calls_ship_no_text_field(tiny_agent_paths, call):
 
 
 def test_a_lora_agents_reference_is_its_actor_with_the_adapter_off(tiny_agent_paths):
-    lora = ("+agents.0.actor_rollout_ref.model.lora_rank=4", "+agents.0.actor_rollout_ref.model.lora.merge=true")
+    lora = ("+agents.qwen_char.actor_rollout_ref.model.lora_rank=4", "+agents.qwen_char.actor_rollout_ref.model.lora.merge=true")
     runtime = _runtime(tiny_agent_paths, lora)
     assert runtime.ref_in_actor and not _runtime(tiny_agent_paths).ref_in_actor
     runtime.ref_log_prob(_rollout(0))

@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass
 
 from mini.arms import ALL_ARMS, Arm
+from recipe_hacpo.config import agents_overrides
 from mini.common import DATA_DIR, REPO, TRAIN_FILE, VAL_FILE, VAL_SOURCE, log, machine
 
 @dataclass
@@ -96,8 +97,8 @@ def batch_rows_per_prompt(arm: Arm, setup: Setup, n_agents: int) -> int:
     return trained_rows_per_prompt(arm, setup, n_agents) + (1 if arm.mode == "sgt" else 0)
 
 
-def _agent_overrides(agent) -> str:
-    return f"actor:{{optim:{{lr:{agent.lr}}}}}" if agent.lr else ""
+def _agent_overrides(agent) -> dict:
+    return {"actor": {"optim": {"lr": agent.lr}}} if agent.lr else {}
 
 
 def run_overrides(arm: Arm, seed: int, agents: list[dict], setup: Setup, run_dir: str, first: bool) -> list[str]:
@@ -105,13 +106,13 @@ def run_overrides(arm: Arm, seed: int, agents: list[dict], setup: Setup, run_dir
     mini_prompts = mini_batch_prompts(arm, setup, len(agents))
     # verl needs every batch it scores or trains on to split into whole micro-batches
     micro = math.gcd(setup.micro, mini_prompts * g, mini_prompts * batch_rows_per_prompt(arm, setup, len(agents)))
-    spec = ",".join(
-        f"{{name:{a['agent'].name},model_path:'{a['path']}',rollout_n:{g},n_gpus_per_node:1,nnodes:1,"
-        f"actor_rollout_ref:{{{_agent_overrides(a['agent'])}}}}}"
+    spec = agents_overrides([
+        dict(name=a["agent"].name, model_path=a["path"], rollout_n=g, n_gpus_per_node=1, nnodes=1,
+             actor_rollout_ref=_agent_overrides(a["agent"]))
         for a in agents
-    )
+    ])
     ov = [
-        f"agents=[{spec}]",
+        *spec,
         f"ray_kwargs.ray_init.num_gpus={len(agents)}",
         f"algorithm.hacpo.mode={arm.mode}",
         *[f"algorithm.hacpo.{k}={v}" for k, v in arm.hacpo.items()],

@@ -291,7 +291,7 @@ class Graft(Method):
             world = gpus[s.name]
             if s.rollout_n % world != 0:
                 raise ConfigError(
-                    f"agents[{s.index}] ({s.name}): rollout_n={s.rollout_n} does not split over its {world} GPUs; "
+                    f"agents.{s.name}: rollout_n={s.rollout_n} does not split over its {world} GPUs; "
                     "mode=graft scores grafted groups on the receiver's GPUs, so pick a multiple of the GPU count"
                 )
         if settings.replay_peer is not None:
@@ -323,7 +323,7 @@ def _validate_replay(agent_dir: str, specs: list["AgentSpec"]) -> None:
     manifest = read_manifest(agent_dir)
     if int(manifest["rollout_n"]) != specs[0].rollout_n:
         raise ConfigError(
-            f"agents[0] ({specs[0].name}): rollout_n={specs[0].rollout_n} but the recorded peer "
+            f"agents.{specs[0].name}: rollout_n={specs[0].rollout_n} but the recorded peer "
             f"{manifest['name']!r} sampled {manifest['rollout_n']} per prompt; a grafted group replaces a whole group, "
             "so set them equal"
         )

@@ -14,9 +14,10 @@ def compose_config(name: str = "hacpo_cpu_demo", overrides: Iterable[str] = ()):
 
 
 def first_agent_only(cfg):
-    """`cfg` with its agents list cut to the first agent (in place; returned)."""
+    """`cfg` with its agents cut to the first agent (in place; returned)."""
     from omegaconf import open_dict
 
     with open_dict(cfg):
-        cfg.agents = cfg.agents[:1]
+        for name in list(cfg.agents)[1:]:
+            del cfg.agents[name]
     return cfg

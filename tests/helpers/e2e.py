@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 from helpers.golden import replay_overrides
 
 from recipe_hacpo import batch_keys as K
+from recipe_hacpo.config import agents_overrides
 from recipe_hacpo.core_algos import compute_hacpo_advantage
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -51,11 +52,8 @@ HACPO_PAIR_RUN = ["trainer.total_training_steps=3", "trainer.test_freq=-1", "tra
 def agent_overrides(paths: dict[str, str], kinds: list[str]) -> list[str]:
     names = {"qwen2-char-small": "qwen_char", "llama-pair-medium": "llama_pair", "qwen2-char-medium": "qwen_mid",
              "qwen3-tied": "qwen3", "llama3p2-tied": "llama3"}
-    agents = ",".join(
-        f"{{name:{names[k]},model_path:'{paths[k]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
-        for k in kinds
-    )
-    return [f"agents=[{agents}]", f"ray_kwargs.ray_init.num_gpus={len(kinds)}"]
+    entries = [dict(name=names[k], model_path=paths[k], rollout_n=4, n_gpus_per_node=1, nnodes=1) for k in kinds]
+    return [*agents_overrides(entries), f"ray_kwargs.ray_init.num_gpus={len(kinds)}"]
 
 
 def train_steps(records: list[dict]) -> dict[int, dict]:

@@ -23,9 +23,9 @@ def learner_config(model_path: str, dp: int, mode: str, extra: tuple[str, ...] =
     from recipe_hacpo.config import agent_verl_config, validate
 
     overrides = [
-        f"agents.0.model_path={model_path}", f"agents.1.model_path={model_path}",
-        f"agents.0.n_gpus_per_node={dp}", "agents.1.n_gpus_per_node=1",
-        f"agents.0.rollout_n={OWN}", f"agents.1.rollout_n={CROSS}",
+        f"agents.qwen_char.model_path={model_path}", f"agents.llama_pair.model_path={model_path}",
+        f"agents.qwen_char.n_gpus_per_node={dp}", "agents.llama_pair.n_gpus_per_node=1",
+        f"agents.qwen_char.rollout_n={OWN}", f"agents.llama_pair.rollout_n={CROSS}",
         f"ray_kwargs.ray_init.num_gpus={dp + 1}",
         f"data.train_batch_size={PROMPTS}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={MINI}",
