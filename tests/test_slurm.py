@@ -68,7 +68,7 @@ def agents(warm_agent_paths) -> list[str]:
     ])
 
 
-def submit(cluster: SlurmCluster, name: str, agents: str, *, nodes: int, gpus: int, ckpt: Path | None = None,
+def submit(cluster: SlurmCluster, name: str, agents: list[str], *, nodes: int, gpus: int, ckpt: Path | None = None,
            steps: int = STEPS, sbatch: tuple[str, ...] = (), extra: tuple[str, ...] = (), **env) -> tuple[int, Path]:
     """sbatch the script with the CPU demo config for `steps` steps; (job id, output dir)."""
     out = cluster.root / name
@@ -183,9 +183,13 @@ def test_one_node_job_completes_every_step_and_trains_both_agents(cluster, one_n
     assert_no_job_process(cluster)
 
 
-def test_two_node_split_puts_each_agent_on_its_own_node(cluster, agents):
-    # the script's #SBATCH --exclusive gives the job both GPUs of each node: Ray gets one a node
-    job, out = submit(cluster, "two", agents, nodes=2, gpus=1, PLACEMENT="split", GPUS_PER_NODE="1")
+def test_two_node_split_places_three_agents_added_on_the_command_line(cluster, agents, warm_agent_paths):
+    """The script splits the allocation between however many agents the command line gives:
+    three agents on two nodes of two GPUs are two on the batch host and one on the other node,
+    one GPU each (hacpo_split_0 / _1), and all three train."""
+    third = (f"+agents.qwen_mid={{model_path:'{warm_agent_paths['qwen2-char-medium']}',rollout_n:4,"
+             "n_gpus_per_node:1,nnodes:1}")
+    job, out = submit(cluster, "two", [*agents, third], nodes=2, gpus=2, PLACEMENT="split", GPUS_PER_NODE="2")
     # which agent's workers run on which node, while the job runs: verl gives each worker of a
     # worker group WG_PREFIX (here hacpo_<agent>) in its environment
     seen: dict[str, set] = {name: set() for name in cluster.names}
@@ -196,11 +200,13 @@ def test_two_node_split_puts_each_agent_on_its_own_node(cluster, agents):
         time.sleep(1)
     cluster.wait_job(job, 10)
     assert_completed(cluster, job, out)
-    assert_trained(out, list(range(1, STEPS + 1)))
-    # the batch host n1 is the first half (hacpo_split_0, agent 0), n2 the second
-    assert seen == {"n1": {"hacpo_qwen_char"}, "n2": {"hacpo_llama_pair"}}, seen
+    logged = assert_trained(out, list(range(1, STEPS + 1)))
+    assert all("agent/qwen_mid/actor/pg_loss" in logged[step] for step in logged)
+    # agents 0 and 1 on the batch host n1 (hacpo_split_0), agent 2 on n2 (hacpo_split_1)
+    assert seen == {"n1": {"hacpo_qwen_char", "hacpo_llama_pair"}, "n2": {"hacpo_qwen_mid"}}, seen
     log = job_log(out)
     assert "hacpo: ray on n1 stopped" in log and "hacpo: ray on n2 stopped" in log, log[-3000:]
+    assert "hacpo: PLACEMENT=split: 3 agents of 1 GPUs each leave 1 GPU(s) of the allocation idle" in log
     assert_no_job_process(cluster)
 
 
