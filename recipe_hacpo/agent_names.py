@@ -10,6 +10,7 @@ stderr and exit status 2.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Sequence
 
@@ -17,12 +18,19 @@ from recipe_hacpo.agent_spec import AGENTS_FORM, refuse_list_form
 
 
 def agent_names(config_name: str, overrides: Sequence[str]) -> list[str]:
-    """The keys of the composed `agents` map (config.agent_specs checks the entries themselves)."""
+    """The keys of the composed `agents` map (config.agent_specs checks the entries themselves).
+
+    verl's configs are read from their folder (file://) rather than as the package the presets
+    name (pkg://), which Hydra would import, and verl with it (torch, Ray): 2 s instead of 6."""
+    import importlib.util
+
     from hydra import compose, initialize_config_module
     from omegaconf import DictConfig
 
+    verl_dir = list(importlib.util.find_spec("verl").submodule_search_locations)[0]
+    searchpath = f"hydra.searchpath=[file://{os.path.join(verl_dir, 'trainer', 'config')}]"
     with initialize_config_module("recipe_hacpo.configs", version_base=None):
-        cfg = compose(config_name, overrides=list(overrides))
+        cfg = compose(config_name, overrides=[searchpath, *overrides])
     agents = cfg.get("agents")
     if not isinstance(agents, DictConfig) or len(agents) == 0:
         raise ValueError(f"agents: {'empty' if agents is not None and len(agents) == 0 else 'not a map'}; {AGENTS_FORM}")

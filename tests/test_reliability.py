@@ -759,11 +759,11 @@ _steps = logged_steps
 
 
 def _agents(paths: dict[str, str]) -> list[str]:
-    agents = ",".join(
-        f"{{name:{name},model_path:'{paths[kind]}',rollout_n:4,n_gpus_per_node:1,nnodes:1,actor_rollout_ref:{{}}}}"
+    agents = agents_overrides([
+        dict(name=name, model_path=paths[kind], rollout_n=4, n_gpus_per_node=1, nnodes=1)
         for kind, name in (("qwen2-char-small", "qwen_char"), ("llama-pair-medium", "llama_pair"))
-    )
-    return [f"agents=[{agents}]", "ray_kwargs.ray_init.num_gpus=2"]
+    ])
+    return [*agents, "ray_kwargs.ray_init.num_gpus=2"]
 
 
 @pytest.mark.e2e

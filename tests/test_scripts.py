@@ -307,6 +307,11 @@ def test_slurm_splits_the_allocation_between_however_many_agents_the_command_lin
     proc, calls = standins(SLURM, [third], **_slurm_env(["gpu01", "gpu02"], gpus=3), PRESET="hacpo_cpu_demo")
     assert proc.returncode == 2 and "PLACEMENT=split: 3 agents on 2 node(s) x 3 GPUs: 2 agents a node do not divide" in proc.stderr
     assert not any(argv[0] == "srun" for argv, _ in calls)
+    # HACPO_AGENTS names the agents instead of the composition
+    proc, calls = standins(SLURM, **_slurm_env(["gpu01", "gpu02", "gpu03"], gpus=2), PRESET="hacpo_cpu_demo",
+                           HACPO_AGENTS="a b c")
+    assert proc.returncode == 0, proc.stderr
+    assert {"agents.c.n_gpus_per_node=2", "++agents.c.node_resource=hacpo_split_2"} <= set(_trainer(calls)[0])
     # the old list form: the composition says what to write instead, before Ray starts
     proc, calls = standins(SLURM, ["agents.0.rollout_n=2"], **_slurm_env(["gpu01"], gpus=2), PRESET="hacpo_cpu_demo")
     assert proc.returncode == 2 and "error: agents.0.rollout_n=2: agents are keyed by name" in proc.stderr
@@ -590,9 +595,10 @@ def resumable(standins, tmp_path):
     path = f"{bin_dir}:{tmp_path / 'bin'}:{os.environ['PATH']}"
 
     def run(**extra):
+        # the agents named, not composed: these tests are about stopping, not the split
         env = {**_slurm_env(["gpu01"]), "PRESET": "hacpo_cpu_demo", "PATH": path,
                "RAY_LOG_DIR": str(tmp_path / "logs"), "STANDIN_REAL_PYTHON": sys.executable,
-               "STANDIN_WAIT_CODE": WAIT_USR1, **extra}
+               "STANDIN_WAIT_CODE": WAIT_USR1, "HACPO_AGENTS": "qwen_char llama_pair", **extra}
         return standins(SLURM, **env)
 
     return run

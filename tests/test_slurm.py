@@ -89,6 +89,8 @@ def submit(cluster: SlurmCluster, name: str, agents: list[str], *, nodes: int, g
         "RAY_WAIT_TIMEOUT": "240",
         # a raylet waits 15 s for its dashboard agent; on 2 loaded cores importing it takes longer
         "RAY_agent_register_timeout_ms": "120000",
+        # the split's agents named rather than composed (7 s a run); the three-agent test composes
+        "HACPO_AGENTS": "qwen_char llama_pair",
         **env,
     }
     base = {k: v for k, v in cluster.env.items()
@@ -189,7 +191,8 @@ def test_two_node_split_places_three_agents_added_on_the_command_line(cluster, a
     one GPU each (hacpo_split_0 / _1), and all three train."""
     third = (f"+agents.qwen_mid={{model_path:'{warm_agent_paths['qwen2-char-medium']}',rollout_n:4,"
              "n_gpus_per_node:1,nnodes:1}")
-    job, out = submit(cluster, "two", [*agents, third], nodes=2, gpus=2, PLACEMENT="split", GPUS_PER_NODE="2")
+    job, out = submit(cluster, "two", [*agents, third], nodes=2, gpus=2, PLACEMENT="split", GPUS_PER_NODE="2",
+                      HACPO_AGENTS="")  # read from the command line, as a user's job does
     # which agent's workers run on which node, while the job runs: verl gives each worker of a
     # worker group WG_PREFIX (here hacpo_<agent>) in its environment
     seen: dict[str, set] = {name: set() for name in cluster.names}
