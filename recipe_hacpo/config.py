@@ -58,7 +58,7 @@ def agent_specs(cfg: DictConfig) -> list[AgentSpec]:
     """The agents of `agents` (a map from name to entry), in the map's order: the order of the
     preset, then of the command line's additions. Agent j of the spec is the j-th entry."""
     agents = cfg.get("agents")
-    if isinstance(agents, ListConfig) or isinstance(agents, list):
+    if isinstance(agents, (ListConfig, list)):
         raise ConfigError(f"agents: a list; {AGENTS_FORM}")
     if agents is None or len(agents) == 0:
         raise ConfigError(f"agents: empty; {AGENTS_FORM}")

@@ -56,7 +56,7 @@ def rollout_rows(learner: str, step: int, batch: DataProto, tokenizer, agent_nam
     advantage = ((b["advantages"] * mask).sum(-1) / tokens.clamp(min=1)).tolist()
     inputs = tokenizer.batch_decode(b["prompts"], skip_special_tokens=True)
     outputs = tokenizer.batch_decode(b["responses"], skip_special_tokens=True)
-    ground_truth = [(rm or {}).get("ground_truth") if isinstance(rm, dict) else None
+    ground_truth = [rm.get("ground_truth") if isinstance(rm, dict) else None
                     for rm in batch.non_tensor_batch.get("reward_model", [None] * len(batch))]
     updates = row_updates(record)
     optional = {key: b[field].tolist() for key, field in (("omega", K.OMEGA), ("graft_weight", K.GRAFT_WEIGHT))

@@ -758,14 +758,6 @@ def _env(out_dir: str) -> dict:
 _steps = logged_steps
 
 
-def _agents(paths: dict[str, str]) -> list[str]:
-    agents = agents_overrides([
-        dict(name=name, model_path=paths[kind], rollout_n=4, n_gpus_per_node=1, nnodes=1)
-        for kind, name in (("qwen2-char-small", "qwen_char"), ("llama-pair-medium", "llama_pair"))
-    ])
-    return [*agents, "ray_kwargs.ray_init.num_gpus=2"]
-
-
 @pytest.mark.e2e
 @pytest.mark.ray
 def test_e2e_reward_that_raises_or_hangs_is_counted_and_training_goes_on(tmp_path, tiny_agent_paths):
@@ -773,7 +765,7 @@ def test_e2e_reward_that_raises_or_hangs_is_counted_and_training_goes_on(tmp_pat
     reward.write_text(REWARD_THAT_FAILS)
     out = str(tmp_path)
     proc = subprocess.run(
-        _cli(out, _agents(tiny_agent_paths) + [
+        _cli(out, agent_overrides(tiny_agent_paths, HACPO_PAIR_KINDS) + [
             f"reward.custom_reward_function.path={reward}", "reward.custom_reward_function.name=compute_score",
             "trainer.reward_timeout_s=2", "trainer.total_training_steps=1", "trainer.save_freq=1",
             "trainer.test_freq=-1", "trainer.val_before_train=false",

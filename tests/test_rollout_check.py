@@ -230,14 +230,10 @@ def test_a_withheld_sync_stops_the_run_before_the_update_and_keeps_the_last_chec
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = str(tmp_path)
-    from recipe_hacpo.config import agents_overrides
+    from helpers.e2e import HACPO_PAIR_KINDS, agent_overrides
 
-    agents = agents_overrides([
-        dict(name=name, model_path=warm_agent_paths[kind], rollout_n=4, n_gpus_per_node=1, nnodes=1)
-        for kind, name in (("qwen2-char-small", "qwen_char"), ("llama-pair-medium", "llama_pair"))
-    ])
     cmd = [sys.executable, os.path.join(repo, "tests", "vllm_driver.py"), "--config-name", "hacpo_cpu_demo",
-           *agents, "ray_kwargs.ray_init.num_gpus=2", "trainer.logger=[console,file]",
+           *agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS), "trainer.logger=[console,file]",
            f"trainer.default_local_dir={out}/ckpt", f"hydra.run.dir={out}/hydra", "trainer.progress_bar=false",
            "trainer.total_training_steps=2", "trainer.save_freq=1", "trainer.test_freq=-1",
            "trainer.val_before_train=false", f"trainer.learner_batch_dir={out}/batches"]
