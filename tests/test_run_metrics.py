@@ -96,13 +96,14 @@ def test_your_own_task_trains_stops_resumes_and_evaluates_and_the_run_folder_kee
                 "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.resume_mode=auto",
                 f"trainer.rollout_data_dir={rollouts}"]
 
-    # run 1: SIGTERM once step 1 is done; the trainer stops at a safe point with a checkpoint
+    # run 1: SIGTERM once step 1 is done; the trainer stops at a safe point with a checkpoint (a
+    # run of 3 steps: a stop that lets step 2 finish still has step 3 left, so it always exits 75)
     with open(tmp_path / "run1.err", "w") as err:
-        proc = subprocess.Popen(command(2), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
+        proc = subprocess.Popen(command(3), cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
         out1 = []
         for line in proc.stdout:
             out1.append(line)
-            if line.startswith("hacpo: step 1/2 done in "):
+            if line.startswith("hacpo: step 1/3 done in "):
                 proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=900) == RESUMABLE_EXIT, "".join(out1)[-4000:] + (tmp_path / "run1.err").read_text()[-4000:]
     # run 2: resumes from the newest checkpoint and trains to step 3
