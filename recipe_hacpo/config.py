@@ -297,10 +297,12 @@ def _validate_attention(cfg: DictConfig, specs: list[AgentSpec]) -> None:
             if gpu_run and _driver_sees_gpu():
                 problem = flash_attn_problem()
                 if problem:
+                    from recipe_hacpo.preflight import FLASH_ATTN_INSTALL
+
                     raise ConfigError(
                         f"{where}: {ATTN_KEY}={attn}{' (verl default)' if attn == VERL_DEFAULT_ATTN else ''} but flash_attn "
-                        f"does not import here ({problem}); install it (pip install --no-build-isolation -e "
-                        f"'.[flash-attn]') or set {ATTN_KEY}=sdpa and actor_rollout_ref.model.use_remove_padding=false"
+                        f"does not import here ({problem}); install a flash-attn 2.8.3 wheel built for this torch "
+                        f"({FLASH_ATTN_INSTALL}) or run without it: {ATTN_KEY}=sdpa actor_rollout_ref.model.use_remove_padding=false"
                     )
         elif bool(s.section(cfg, "model").get("use_remove_padding", True)):
             raise ConfigError(

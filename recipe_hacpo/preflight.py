@@ -66,6 +66,9 @@ from dataclasses import asdict, dataclass
 
 # vLLM 0.24.0's PyPI wheel links libcudart.so.13: torch must be the cu130 build, the driver R580+
 TORCH_INDEX_URL = "https://download.pytorch.org/whl/cu130"
+# how flash-attn gets where a GPU run needs it: a prebuilt wheel for the installed torch and CUDA
+# (PyPI has only its source, whose build takes nvcc and 20-30 minutes)
+FLASH_ATTN_INSTALL = "pip install --no-deps <flash_attn-2.8.3-...whl> (docs/INSTALL.md, flash-attn)"
 CUDA_MAJOR = 13
 MIN_DRIVER_MAJOR = 580
 
@@ -146,7 +149,7 @@ def install_problems(*, torch_cuda: str | None, driver: str | None, vllm_install
             except Exception as exc:
                 problems.append(f"vLLM's compiled kernels vllm.{ext} do not load: {_first_line(exc)}")
                 break
-    for module, fix in (("flash_attn", "pip install --no-build-isolation -e '.[flash-attn]' (or attn_implementation=sdpa)"),
+    for module, fix in (("flash_attn", f"{FLASH_ATTN_INSTALL} (or attn_implementation=sdpa)"),
                         ("verl.workers.rollout.vllm_rollout.vllm_async_server", "pip install -e '.[gpu]'")):
         if module.startswith("verl.") and not vllm_installed:
             continue

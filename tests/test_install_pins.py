@@ -77,7 +77,7 @@ _TORCH_LINE = re.compile(r"pip install (torch==\S+) (torchvision==\S+) (torchaud
 
 def _documented_torch_lines() -> list[tuple[str, re.Match]]:
     found = []
-    for doc in ("README.md", "docs/REPRODUCE.md"):
+    for doc in ("README.md", "docs/INSTALL.md"):
         for m in _TORCH_LINE.finditer((REPO / doc).read_text()):
             found.append((doc, m))
     return found
@@ -88,7 +88,7 @@ def test_documented_torch_lines_match_the_gpu_pins_and_the_cuda13_index():
 
     gpu = {canonicalize_name(Requirement(r).name): Requirement(r) for r in _project()["optional-dependencies"]["gpu"]}
     lines = _documented_torch_lines()
-    assert {doc for doc, _ in lines} == {"README.md", "docs/REPRODUCE.md"}
+    assert {doc for doc, _ in lines} == {"README.md", "docs/INSTALL.md"}
     for doc, m in lines:
         for pinned in m.groups()[:3]:
             req = Requirement(pinned)
@@ -97,7 +97,7 @@ def test_documented_torch_lines_match_the_gpu_pins_and_the_cuda13_index():
 
 
 def test_no_cuda12_index_is_documented():
-    for doc in ("README.md", "docs/REPRODUCE.md"):
+    for doc in ("README.md", "docs/INSTALL.md", "docs/REPRODUCE.md"):
         text = (REPO / doc).read_text()
         assert not re.search(r"whl/cu12\d", text), f"{doc} documents a CUDA 12 torch index"
         assert "R580" in text and "--check-install" in text, f"{doc}: driver floor or post-install check missing"

