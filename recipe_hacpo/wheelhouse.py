@@ -108,6 +108,11 @@ def download(lock_path: Path, dest: Path, extra_wheels: list[Path], python: str 
     done = subprocess.run(cmd)
     if done.returncode != 0:
         raise WheelhouseError(f"pip download of {lock_path} failed (exit {done.returncode}); see pip's output above")
+    return assemble(lock, lock_path, dest, extra_wheels, python)
+
+
+def assemble(lock: dict, lock_path: Path, dest: Path, extra_wheels: list[Path], python: str = sys.executable) -> Path:
+    """After the download: wheels for the source archives, the extra wheels, the listing."""
     files = _files_of_lock(lock, dest, lock_path)
     for name, path in list(files.items()):
         if path.name.endswith(".whl"):

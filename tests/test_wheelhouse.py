@@ -89,6 +89,23 @@ def test_a_wheelhouse_installs_into_a_fresh_venv_with_the_network_off(house, tmp
     assert out.split() == ["alpha", "beta"]
 
 
+def test_a_wheel_of_your_own_joins_the_set_and_installs_with_it(tmp_path):
+    """A flash-attn built for the target's torch (a local version label, a platform tag) travels
+    in the same folder, hash-listed beside the lock's wheels."""
+    folder = tmp_path / "house"
+    folder.mkdir()
+    locked = _wheel(folder, "hwalpha", "1.0", "VALUE = 'alpha'\n")
+    lock = read_lock(_lock(tmp_path / "lock.txt", [locked]))
+    built = _wheel(tmp_path, "hwflash", "2.8.3", "VALUE = 'flash'\n")
+    own = built.rename(tmp_path / "hwflash-2.8.3+cu13torch2.11cxx11abiTRUE-cp311-cp311-linux_x86_64.whl")
+    listing = wheelhouse.assemble(lock, tmp_path / "lock.txt", folder, [own]).read_text()
+    assert "hwalpha==1.0 --hash=sha256:" in listing
+    assert f"hwflash==2.8.3+cu13torch2.11cxx11abiTRUE --hash=sha256:{wheelhouse.sha256(own)}" in listing
+    assert (folder / own.name).is_file()
+    with pytest.raises(wheelhouse.WheelhouseError, match="not a wheel"):
+        wheelhouse.download(tmp_path / "lock.txt", folder, [tmp_path / "lock.txt"])
+
+
 def test_a_changed_wheel_is_refused_by_its_hash(house, tmp_path):
     python = _venv(tmp_path)
     _wheel(house, "hwbeta", "2.3", "VALUE = 'tampered'\n")  # same name, other bytes
