@@ -164,6 +164,23 @@ class AgentRuntime:
         output = self.wg.compute_log_prob(td)
         return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
 
+    def old_log_prob_of_rows(self, batch: DataProto, rows: torch.Tensor) -> torch.Tensor | None:
+        """log π^(k)_old of `rows` of `batch`, [len(rows), T] (None when there are none).
+
+        verl's engine cuts a log-prob call into equal micro-batches of
+        `rollout.log_prob_micro_batch_size_per_gpu` on each of its ranks and refuses a row count
+        that does not divide; the number of rows asked for changes every step (GRAFT's grafted
+        rows), so the call is padded by repeating the first row, and the padding's outputs are
+        discarded.
+        """
+        if not len(rows):
+            return None
+        rollout = self.config.actor_rollout_ref.rollout
+        micro = 1 if rollout.get("log_prob_use_dynamic_bsz", False) else int(rollout.log_prob_micro_batch_size_per_gpu or 1)
+        unit = micro * self.wg.world_size
+        padded = torch.cat([rows, rows[:1].repeat((-len(rows)) % unit)])
+        return self.old_log_prob(batch.select_idxs(padded))[: len(rows)]
+
     def ref_log_prob(self, batch: DataProto) -> torch.Tensor:
         """log π^(k)_ref of every response token, [B, T] (for actor.use_kl_loss)."""
         td = worker_tensordict(batch)

@@ -101,7 +101,7 @@ class _Source:
 class ExchangeJobs:
     """The background conversions of the current step, one thread pool for the trainer's life.
 
-    exchanges: the trainer's converters, keyed (source, learner).
+    converters: the trainer's converters, keyed (source, learner).
     decode: `decode(batch, tokenizer) -> list[str]`, the scorer's decoding (`scoring.decode_responses`):
         the text scoring and every re-tokenizing learner use.
     workers: threads (≥ 1).
@@ -109,13 +109,13 @@ class ExchangeJobs:
 
     def __init__(
         self,
-        exchanges: dict[tuple[str, str], RolloutExchange],
+        converters: dict[tuple[str, str], RolloutExchange],
         decode: Callable[[DataProto, Any], list[str]],
         workers: int,
     ) -> None:
         if workers < 1:
             raise ValueError(f"exchange workers must be at least 1, got {workers}")
-        self.exchanges = exchanges
+        self.converters = converters
         self.decode = decode
         self.workers = int(workers)
         # two pools: what scoring waits for (loading, checking, decoding) never queues behind the
@@ -196,7 +196,7 @@ class ExchangeJobs:
 
         entry = _Source(batch=rollouts, fingerprint=fingerprint, texts=self._reading.submit(decode))
         for learner in learners:
-            exchange = self.exchanges[(source, learner)]
+            exchange = self.converters[(source, learner)]
             entry.pairs[learner] = self._executor.submit(self._prepare, exchange, rollouts, entry.texts)
         with self._guard:
             self._sources[source] = entry
@@ -233,7 +233,7 @@ class ExchangeJobs:
         return self._join(self._sources[source].texts, f"decoding {source}'s responses", counted=False)
 
     def convert(self, source: str, learner: str, batch: DataProto, rows: torch.Tensor | None = None) -> DataProto:
-        """`exchanges[(source, learner)].convert(batch if rows is None else batch.select_idxs(rows))`,
+        """`converters[(source, learner)].convert(batch if rows is None else batch.select_idxs(rows))`,
         from the conversion prepared in the background; `batch` is the source's whole rollout
         batch as it is now (the one passed to `start`, with the fields added since)."""
         entry = self._sources[source]
@@ -251,7 +251,7 @@ class ExchangeJobs:
         if learner not in entry.pairs:
             raise ExchangeJobError(f"exchange {what}, step {self.step}: no conversion was started for this pair")
         prepared: Prepared = self._join(entry.pairs[learner], what)
-        exchange = self.exchanges[(source, learner)]
+        exchange = self.converters[(source, learner)]
         if rows is None:
             return exchange.finish(batch, prepared)
         return exchange.finish(batch.select_idxs(rows), prepared.select(rows))
@@ -282,15 +282,4 @@ def exchange_workers(value: Any, agents: int) -> int:
     return int(value)
 
 
-def convert_peer_rows(trainer: Any, source: str, learner: str, batch: DataProto, rows: torch.Tensor | None = None):
-    """`source`'s rows (all, or `rows` of them) in `learner`'s tokenization: from the trainer's
-    background jobs when they started this source, else converted here and now (the serial path:
-    `trainer.exchange_workers=0`, a recorded peer, the tests' stand-in trainers)."""
-    jobs = getattr(trainer, "exchange_jobs", None)
-    if jobs is not None and jobs.started(source):
-        return jobs.convert(source, learner, batch, rows)
-    part = batch if rows is None else batch.select_idxs(rows)
-    return trainer.exchanges[(source, learner)].convert(part)
-
-
-__all__ = ["ExchangeJobs", "ExchangeJobError", "convert_peer_rows", "exchange_workers"]
+__all__ = ["ExchangeJobs", "ExchangeJobError", "exchange_workers"]

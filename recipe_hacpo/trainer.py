@@ -44,6 +44,7 @@ from recipe_hacpo.core_algos import CapabilityTracker
 from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
 from recipe_hacpo.exchange_jobs import ExchangeJobs, exchange_workers
 from recipe_hacpo.methods import Method, method_for
+from recipe_hacpo.methods.context import RecordedRows, StepContext, prefixed
 from recipe_hacpo.placement import check_ray_cluster, make_pool, master_port_ranges, request_for
 from recipe_hacpo.reliability import (
     LATEST_FILE,
@@ -138,16 +139,15 @@ class HacpoTrainer:
         # agents on their own pools build at once (each mostly waits on its own Ray actors
         # starting); agents on the shared pool build in turn; a failure names its agent
         self.for_each_agent(lambda a: a.build(self.hacpo, shared if a.spec.uses_shared_pool else None))
-        self.exchanges = self._build_exchanges()
-        converters = dict(self.exchanges)
+        self.converters = self._build_converters()
         if self.hacpo.replay_peer is not None:  # GRAFT against a recorded peer (replay.py); one live agent
             self.replay_peer = RecordedPeer(self.hacpo.replay_peer)
             (learner,) = self.agents.values()
-            self.replay_converter = self._converter(self.replay_peer.tokenizer, self.replay_peer.eos_token_ids, learner)
-            converters[(self.replay_peer.key, learner.spec.name)] = self.replay_converter
+            self.converters[(self.replay_peer.key, learner.spec.name)] = self._converter(
+                self.replay_peer.tokenizer, self.replay_peer.eos_token_ids, learner)
         workers = exchange_workers(self.config.trainer.get("exchange_workers"), len(self.specs))
         if workers:
-            self.exchange_jobs = ExchangeJobs(converters, decode_responses, workers)
+            self.exchange_jobs = ExchangeJobs(dict(self.converters), decode_responses, workers)
 
     def _shared_pool(self):
         if not any(s.uses_shared_pool for s in self.specs):
@@ -155,7 +155,7 @@ class HacpoTrainer:
         # several agents' workers are placed on the same bundles and take turns (placement.py)
         return make_pool(request_for(self.config, self.specs, "shared", self.device_name), self.config, self.device_name)
 
-    def _build_exchanges(self) -> dict[tuple[str, str], RolloutExchange]:
+    def _build_converters(self) -> dict[tuple[str, str], RolloutExchange]:
         """One converter per (source, learner) pair; its widths are the learner's rollout limits."""
         return {
             (source.spec.name, learner.spec.name): self._converter(source.tokenizer, source.eos_token_ids, learner)
@@ -386,12 +386,53 @@ class HacpoTrainer:
         naive own rows and every peer's rows in the learner's tokenization (GRAFT's selected ones
         only with share_selection=complementary), in mode graft per prompt the receiver's own
         group or one source's whole group, in mode sgt own rows plus one imitation slot per group."""
-        return self.method.exchange(self, rollouts, metrics)
+        batches, agent_metrics = self.method.exchange(self.step_context(), rollouts)
+        metrics.update(prefixed(agent_metrics))
+        return batches
 
     def advantages(self, batches: dict[str, DataProto], metrics: dict) -> None:
         """Every learner row's advantage, as the method defines it (HACPO: §2's capability-aware
         group advantage; GRAFT and SGT: each source's GRPO advantage on its own group)."""
-        self.method.advantages(self, batches, metrics)
+        metrics.update(prefixed(self.method.advantages(self.step_context(), batches)))
+
+    def step_context(self) -> StepContext:
+        """What a method sees of this step (methods/context.py): data, and these operations."""
+        return StepContext(
+            specs=tuple(self.specs),
+            settings=self.hacpo,
+            effective=self.effective,
+            step=self.global_step,
+            capabilities=self.tracker.capabilities(),
+            seed_of=lambda name: int(self.agents[name].config.actor_rollout_ref.actor.data_loader_seed),
+            convert=self.convert_rows,
+            old_log_probs_of_rows=self.old_log_probs_of_rows,
+            recorded_peer=self.recorded_rows if self.hacpo.replay_peer is not None else None,
+        )
+
+    def convert_rows(self, source: str, learner: str, batch: DataProto, rows: torch.Tensor | None = None) -> DataProto:
+        """`source`'s rows (all, or `rows` of them) in `learner`'s tokenization: from the background
+        jobs when they started this source, else converted here and now (the serial path:
+        `trainer.exchange_workers=0`, trainers assembled without init_workers)."""
+        jobs = self.exchange_jobs
+        if jobs is not None and jobs.started(source):
+            return jobs.convert(source, learner, batch, rows)
+        return self.converters[(source, learner)].convert(batch if rows is None else batch.select_idxs(rows))
+
+    def old_log_probs_of_rows(self, requests: dict[str, tuple[DataProto, torch.Tensor]], phase: str) -> dict:
+        """Each learner's old log-probs of some rows of its batch ({name: (batch, rows)}), timed as `phase`."""
+        return self.for_each_agent(
+            lambda a: a.old_log_prob_of_rows(*requests[a.spec.name]) if a.spec.name in requests else None, phase=phase)
+
+    def recorded_rows(self, live: DataProto) -> RecordedRows:
+        """The recorded peer's rows of this step (replay.py), scored: loaded, checked, decoded and
+        converted in the background since the live rollouts returned, or here and now."""
+        peer, jobs = self.replay_peer, self.exchange_jobs
+        if jobs is not None and jobs.started(peer.key):
+            recorded = jobs.batch(peer.key)
+            attach_rewards(recorded, self.verifier.score(recorded, peer.tokenizer, texts=jobs.texts(peer.key)))
+        else:
+            recorded = peer.rollouts(self.global_step, live, self.verifier)
+        return RecordedRows(key=peer.key, rollout_n=peer.rollout_n, batch=recorded)
 
     def ref_log_probs(self, batches: dict[str, DataProto]) -> None:
         ref = self.for_each_agent(lambda a: a.ref_log_prob(batches[a.spec.name]) if a.use_ref else None, phase="ref")

@@ -18,6 +18,7 @@ from omegaconf import OmegaConf
 from verl import DataProto
 
 from recipe_hacpo import batch_keys as K
+from recipe_hacpo.agent_runtime import AgentRuntime
 from recipe_hacpo.config import AgentSpec
 from recipe_hacpo.core_algos import CapabilityTracker
 from recipe_hacpo.exchange import RolloutExchange, pack_rows
@@ -96,6 +97,9 @@ class _Agent:
         ids = batch.batch["responses"].float()
         return -(torch.remainder(ids * 0.37 + self.spec.index, 5.0) + 0.1)
 
+    # the real agent's padding of a call over some rows to its engine's micro-batch unit
+    old_log_prob_of_rows = AgentRuntime.old_log_prob_of_rows
+
     def update(self, batch: DataProto, rows_per_prompt: int, peer_order=None) -> dict:
         self.trained = batch
         return {}
@@ -122,12 +126,12 @@ def _trainer(tokenizers: dict, settings: HacpoSettings, workers: int, peer=None,
     t.verifier = Verifier(reward, timeout_s=30.0)
     t.global_step, t.agent_timing, t._worker_processes = 0, {}, None
     t._pool = cf.ThreadPoolExecutor(len(t.specs))
-    t.exchanges = t._build_exchanges()
-    converters = dict(t.exchanges)
+    t.converters = t._build_converters()
+    converters = t.converters
     if peer is not None:
         (learner,) = t.agents.values()
         t.replay_peer = peer
-        t.replay_converter = converters[(peer.key, learner.spec.name)] = t._converter(
+        converters[(peer.key, learner.spec.name)] = t._converter(
             peer.tokenizer, peer.eos_token_ids, learner)
     if workers:
         t.exchange_jobs = ExchangeJobs(converters, decode_responses, workers)
@@ -234,7 +238,7 @@ def test_a_failed_conversion_names_its_pair_and_stops_the_step_before_the_update
     def broken(batch, texts=None):
         raise UnicodeError("cannot encode\nthis row")
 
-    t.exchange_jobs.exchanges[("a", "b")] = SimpleNamespace(shared=True, prepare=broken)
+    t.exchange_jobs.converters[("a", "b")] = SimpleNamespace(shared=True, prepare=broken)
     t.global_step = 1
     with pytest.raises(ExchangeJobError, match=r"^exchange a → b, step 1: UnicodeError: cannot encode this row$"):
         t.train_step(_batch_dict(1))
@@ -249,8 +253,8 @@ def test_a_failed_pair_the_step_did_not_ask_for_still_stops_it(char_tokenizer, p
     jobs.begin_step(4)
     good = t.agents["a"].generate(t._prompt_batch(_batch_dict(1)))
     jobs.start("a", good, ["b"], char_tokenizer)
-    jobs.exchanges = dict(jobs.exchanges)
-    jobs.exchanges[("b", "a")] = SimpleNamespace(shared=True, prepare=lambda batch, texts=None: 1 / 0)
+    jobs.converters = dict(jobs.converters)
+    jobs.converters[("b", "a")] = SimpleNamespace(shared=True, prepare=lambda batch, texts=None: 1 / 0)
     jobs.start("b", t.agents["b"].generate(t._prompt_batch(_batch_dict(1))), ["a"], pair_tokenizer)
     assert len(jobs.convert("a", "b", good)) == len(good)
     with pytest.raises(ExchangeJobError, match=r"^exchange b → a, step 4: ZeroDivisionError: division by zero$"):
@@ -272,7 +276,7 @@ def test_an_input_changed_after_the_start_is_caught(char_tokenizer, pair_tokeniz
         change(batch)
         if message is None:  # the negative control: unchanged rows convert as the serial path does
             out = jobs.convert("a", "b", batch)
-            expected = t.exchanges[("a", "b")].convert(batch)
+            expected = t.converters[("a", "b")].convert(batch)
             _assert_same(expected, out, "unchanged")
         else:
             with pytest.raises(ExchangeJobError, match=rf"^exchange a → b, step 2: a's {message} between generate"):

@@ -133,7 +133,7 @@ def test_capability_is_the_windowed_mean_and_cross_rows_a_count():
     assert metrics["agent/b/capability"] == pytest.approx(1 / 3)  # mean over the agent's rows of a step
     assert metrics["agent/c/capability"] == pytest.approx(1e-3)  # floored at ε_P
 
-    t.exchanges = {(s, l): SimpleNamespace(convert=lambda b: b[list(range(len(b)))])
+    t.converters = {(s, l): SimpleNamespace(convert=lambda b: b[list(range(len(b)))])
                    for s in "abc" for l in "abc" if s != l}
     batches = t.exchange(rollouts, metrics)
     assert metrics["agent/a/cross/rows"] == 4.0  # 3 rows of b + 1 of c: a count, not a fraction of 6

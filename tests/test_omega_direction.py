@@ -69,7 +69,7 @@ def test_cross_rows_carry_source_over_learner_capability(tmp_path, char_tokenize
     t.config = OmegaConf.create({"trainer": {"learner_batch_dir": str(tmp_path)}})
     t._pool = cf.ThreadPoolExecutor(1)
     t.tracker = CapabilityTracker(len(NAMES))
-    t.exchanges = {
+    t.converters = {
         (s, k): RolloutExchange(char_tokenizer, char_tokenizer, max_prompt_length=8, max_response_length=8)
         for s in NAMES for k in NAMES
     }

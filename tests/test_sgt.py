@@ -270,29 +270,27 @@ def _rollout(tokenizer, name: str):
     return DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info={"temperature": 1.0})
 
 
-def _stub_trainer(tokenizers: dict):
-    """What `sgt_exchange` reads of the trainer: specs, each agent's seed, the exchanges, the step."""
+def _context(tokenizers: dict):
+    """The step context sgt_exchange reads: the agents, each agent's seed (42), the converters, step 3."""
+    from helpers.stand_in import stand_in_context
+
     from recipe_hacpo.exchange import RolloutExchange
 
     names = list(tokenizers)
-    specs = [SimpleNamespace(name=n, index=i, rollout_n=N) for i, n in enumerate(names)]
-    seed = SimpleNamespace(actor_rollout_ref=SimpleNamespace(actor=SimpleNamespace(data_loader_seed=42)))
-    exchanges = {
+    converters = {
         (s, l): RolloutExchange(tokenizers[s], tokenizers[l], max_prompt_length=32, max_response_length=8)
         for s in names for l in names
     }
-    return SimpleNamespace(specs=specs, agents={n: SimpleNamespace(config=seed) for n in names},
-                           exchanges=exchanges, global_step=3)
+    return stand_in_context(names, converters, step=3, rollout_n=N, seed=42)
 
 
 def test_learner_batches_hold_own_rows_and_one_imitation_slot_per_prompt(char_tokenizer, pair_tokenizer):
+    from recipe_hacpo.methods.context import prefixed
     from recipe_hacpo.methods.sgt import sgt_advantages, sgt_exchange
 
     tokenizers = {"a": char_tokenizer, "b": pair_tokenizer}
-    trainer = _stub_trainer(tokenizers)
-    metrics: dict = {}
-    batches = sgt_exchange(trainer, {n: _rollout(t, n) for n, t in tokenizers.items()}, metrics)
-    sgt_advantages(batches, metrics)
+    batches, exchanged = sgt_exchange(_context(tokenizers), {n: _rollout(t, n) for n, t in tokenizers.items()})
+    metrics = prefixed(exchanged) | prefixed(sgt_advantages(batches))
     # what each receiver imitates, by the formula on the pooled rows (A's rows, then B's)
     correct, index, source = _two_agents()
     index = np.array([f"step3-prompt{u[1]}" for u in index])
@@ -336,7 +334,7 @@ def test_learner_batches_go_through_the_mini_batch_layout(char_tokenizer):
     from recipe_hacpo.minibatch import mini_batch_order
 
     tokenizers = {"a": char_tokenizer, "b": char_tokenizer}  # same tokenizer: no decode at all
-    batches = sgt_exchange(_stub_trainer(tokenizers), {n: _rollout(t, n) for n, t in tokenizers.items()}, {})
+    batches, _ = sgt_exchange(_context(tokenizers), {n: _rollout(t, n) for n, t in tokenizers.items()})
     b = batches["a"]
     order = mini_batch_order(b.non_tensor_batch["uid"], b.batch[K.IS_CROSS].numpy(), mini_batch_prompts=2,
                              dp_size=1, seed=0)

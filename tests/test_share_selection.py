@@ -61,7 +61,7 @@ def _trainer(names: list[str], tokenizer, settings: HacpoSettings):
     t.global_step = 1
     t._pool = cf.ThreadPoolExecutor(1)
     t.tracker = CapabilityTracker(len(names))
-    t.exchanges = {
+    t.converters = {
         (s, k): RolloutExchange(tokenizer, tokenizer, max_prompt_length=8, max_response_length=8)
         for s in names for k in names
     }

@@ -8,23 +8,25 @@ methods differ, as the methods of one `Method` object:
     rows_per_prompt(specs, learner, s)   rows of one prompt group in a learner batch (mini-batch layout)
     peer_learners(specs, s, source)      learners that take `source`'s rows re-tokenized this step
                                          (the background conversions start as its rollouts return)
-    exchange(trainer, rollouts, metrics)     the learner batches from the step's rollouts
-    advantages(trainer, batches, metrics)    every learner row's advantage
+    exchange(ctx, rollouts)              the learner batches from the step's rollouts, and metrics
+    advantages(ctx, batches)             every learner row's advantage; returns metrics
     peer_order(s)                        the mini-batch order key of `AgentRuntime.update` (None: own order)
     step_metrics(update_metrics)         step figures derived from the loss's summed counts
     objective                            the policy term of its loss (workers/hacpo_loss.py's frame
                                          adds entropy and KL and runs it per micro-batch); None:
                                          verl's own loss stays installed
 
-`trainer` is the running `HacpoTrainer`; a method reads its public state: `specs`, `hacpo` (the
-typed `algorithm.hacpo`), `effective`, `tracker`, `agents`, `global_step`, `exchange_jobs`,
-`exchanges`, `verifier`, `replay_peer`, `replay_converter` and `for_each_agent`.
+`ctx` is the step's `StepContext` (methods/context.py): the agents, the settings, the step, the
+capabilities and the few operations a method needs. A method never sees the trainer. Metrics
+come back per agent, named below `agent/<name>/` (`AgentMetrics`); the trainer adds the prefix.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from recipe_hacpo.methods.context import AgentMetrics, StepContext
 
 if TYPE_CHECKING:
     from verl import DataProto
@@ -56,11 +58,11 @@ class Method(ABC):
         return [s.name for s in specs if s.name != source]
 
     @abstractmethod
-    def exchange(self, trainer: Any, rollouts: dict[str, "DataProto"], metrics: dict) -> dict[str, "DataProto"]:
-        """The learner batches ({agent name: DataProto}) from the step's scored rollouts."""
+    def exchange(self, ctx: StepContext, rollouts: dict[str, "DataProto"]) -> tuple[dict[str, "DataProto"], AgentMetrics]:
+        """The learner batches ({agent name: DataProto}) from the step's scored rollouts, and metrics."""
 
     @abstractmethod
-    def advantages(self, trainer: Any, batches: dict[str, "DataProto"], metrics: dict) -> None:
+    def advantages(self, ctx: StepContext, batches: dict[str, "DataProto"]) -> AgentMetrics:
         """Set `advantages` and `returns` ([B, T], 0 outside the response mask) on every batch."""
 
     def peer_order(self, settings: "HacpoSettings") -> str | None:

@@ -16,19 +16,18 @@ The formulas are recipe_hacpo/graft.py's pure functions; this module wires them 
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.exchange import mean_log_prob_per_response
-from recipe_hacpo.exchange_jobs import convert_peer_rows
 from recipe_hacpo.graft import compatibility_weight, graft_policy_loss_matrix, graft_selection, grpo_advantage
 from recipe_hacpo.hacpo_settings import ConfigError
 from recipe_hacpo.methods.base import Method
+from recipe_hacpo.methods.context import AgentMetrics, StepContext
 from recipe_hacpo.methods.rows import concat_rows, tag_rows
-from recipe_hacpo.replay import RecordedPeer, read_manifest, replay_selection
-from recipe_hacpo.scoring import attach_rewards
+from recipe_hacpo.replay import read_manifest, replay_selection
 from recipe_hacpo.workers.hacpo_loss import MicroBatch, Objective, PolicyTerm, actor_loss, clip_ratio
 from verl import DataProto
 
@@ -52,23 +51,22 @@ def correct_counts(rollouts: dict[str, DataProto], names: list[str]) -> tuple[li
     return uids, correct
 
 
-def graft_exchange(trainer: Any, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
+def graft_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict[str, DataProto], AgentMetrics]:
     """Learner batches of mode graft: per prompt, the receiver's own group or one source's whole group."""
-    specs = trainer.specs
-    names = [s.name for s in specs]
+    names, metrics = ctx.names, ctx.metrics()
     with_group_advantages(rollouts)
     uids, correct = correct_counts(rollouts, names)
-    sizes = torch.as_tensor([s.rollout_n for s in specs], dtype=torch.long)
-    source_of = graft_selection(correct, sizes, balance=trainer.hacpo.graft_balance)  # [N_R, Q]
-    batches = graft_batches(rollouts, names, source_of, uids, {s.name: s.index for s in specs},
-                            lambda source, learner, rows: convert_peer_rows(trainer, source, learner, rollouts[source], rows))
-    for learner in specs:
-        metrics[f"agent/{learner.name}/graft/groups_received"] = float((source_of[learner.index] >= 0).sum())
-        metrics[f"agent/{learner.name}/graft/groups_given"] = float((source_of == learner.index).sum())
-    weigh_grafted_rows(trainer, batches, metrics)
+    sizes = torch.as_tensor([s.rollout_n for s in ctx.specs], dtype=torch.long)
+    source_of = graft_selection(correct, sizes, balance=ctx.settings.graft_balance)  # [N_R, Q]
+    batches = graft_batches(rollouts, names, source_of, uids, {s.name: s.index for s in ctx.specs},
+                            lambda source, learner, rows: ctx.convert(source, learner, rollouts[source], rows))
+    for learner in ctx.specs:
+        metrics[learner.name]["graft/groups_received"] = float((source_of[learner.index] >= 0).sum())
+        metrics[learner.name]["graft/groups_given"] = float((source_of == learner.index).sum())
+    weigh_grafted_rows(ctx, batches, metrics)
     for name, batch in batches.items():
-        metrics[f"agent/{name}/cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
-    return batches
+        metrics[name]["cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
+    return batches, metrics
 
 
 def with_group_advantages(rollouts: dict[str, DataProto]) -> None:
@@ -109,7 +107,7 @@ def graft_batches(
     return batches
 
 
-def weigh_grafted_rows(trainer: Any, batches: dict[str, DataProto], metrics: dict) -> None:
+def weigh_grafted_rows(ctx: StepContext, batches: dict[str, DataProto], metrics: AgentMetrics) -> None:
     """G3: the receiver's old log-probs of its grafted rows (one forward over them only), w and the gate.
 
     A grafted row the floor drops keeps its place in the batch (so every group keeps n rows and
@@ -117,11 +115,9 @@ def weigh_grafted_rows(trainer: Any, batches: dict[str, DataProto], metrics: dic
     token count. w is fixed for the whole update.
     """
     grafted_rows = {name: torch.nonzero(b.batch[K.IS_CROSS]).flatten() for name, b in batches.items()}
-    old = trainer.for_each_agent(
-        lambda a: _old_log_prob_of_rows(a, batches[a.spec.name], grafted_rows[a.spec.name]),
-        phase="graft_old_log_prob",
-    )
-    settings = trainer.hacpo
+    old = ctx.old_log_probs_of_rows({name: (batches[name], rows) for name, rows in grafted_rows.items()},
+                                    phase="graft_old_log_prob")
+    settings = ctx.settings
     for name, batch in batches.items():
         rows = grafted_rows[name]
         weight = torch.ones(len(batch), dtype=torch.float32)
@@ -141,73 +137,45 @@ def weigh_grafted_rows(trainer: Any, batches: dict[str, DataProto], metrics: dic
             weight[rows] = w
             dropped = rows[~admitted]
             mask[dropped] = 0
-            metrics[f"agent/{name}/graft/admitted"] = float(admitted.sum())
-            metrics[f"agent/{name}/graft/dropped"] = float((~admitted).sum())
-            metrics[f"agent/{name}/graft/weight_mean"] = float(w[admitted].mean()) if admitted.any() else 0.0
+            metrics[name]["graft/admitted"] = float(admitted.sum())
+            metrics[name]["graft/dropped"] = float((~admitted).sum())
+            metrics[name]["graft/weight_mean"] = float(w[admitted].mean()) if admitted.any() else 0.0
         else:
-            metrics[f"agent/{name}/graft/admitted"] = 0.0
-            metrics[f"agent/{name}/graft/dropped"] = 0.0
+            metrics[name]["graft/admitted"] = 0.0
+            metrics[name]["graft/dropped"] = 0.0
         batch.batch[K.GRAFT_WEIGHT] = weight
 
 
-def _old_log_prob_of_rows(agent, batch: DataProto, rows: torch.Tensor) -> torch.Tensor | None:
-    """The receiver's old log-probs of `rows` of its batch, [len(rows), T] (None when there are none).
-
-    verl's engine cuts a log-prob call into equal micro-batches of
-    `rollout.log_prob_micro_batch_size_per_gpu` on each of its ranks and refuses a row count that
-    does not divide; the number of grafted rows changes every step, so the call is padded by
-    repeating the first grafted row, and the padding's outputs are discarded.
-    """
-    if not len(rows):
-        return None
-    rollout = agent.config.actor_rollout_ref.rollout
-    micro = 1 if rollout.get("log_prob_use_dynamic_bsz", False) else int(rollout.log_prob_micro_batch_size_per_gpu or 1)
-    unit = micro * agent.wg.world_size
-    padded = torch.cat([rows, rows[:1].repeat((-len(rows)) % unit)])
-    return agent.old_log_prob(batch.select_idxs(padded))[: len(rows)]
-
-
-def graft_advantages(batches: dict[str, DataProto], metrics: dict) -> None:
+def graft_advantages(batches: dict[str, DataProto]) -> AgentMetrics:
     """G2: every row's advantage is its generating agent's GRPO advantage on its own full group."""
+    metrics = {}
     for name, batch in batches.items():
         adv = batch.batch[K.GROUP_ADVANTAGE]
         mask = batch.batch["response_mask"]
         batch.batch["advantages"] = adv.float().unsqueeze(-1) * mask
         batch.batch["returns"] = batch.batch["advantages"]
-        metrics[f"agent/{name}/advantage/mean"] = float(adv.mean())
-        metrics[f"agent/{name}/advantage/abs_mean"] = float(adv.abs().mean())
+        metrics[name] = {"advantage/mean": float(adv.mean()), "advantage/abs_mean": float(adv.abs().mean())}
+    return metrics
 
 
-def replay_exchange(trainer: Any, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
+def replay_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict[str, DataProto], AgentMetrics]:
     """The receiver's learner batch against the recorded peer: per prompt its own group or the
     recorded whole group (R3), then GRAFT's w and gate (R4)."""
-    peer: RecordedPeer = trainer.replay_peer
-    (learner,) = trainer.specs
-    jobs = getattr(trainer, "exchange_jobs", None)
-    if jobs is not None and jobs.started(peer.key):
-        # loaded, checked, decoded and converted in the background since the live rollouts returned
-        recorded = jobs.batch(peer.key)
-        attach_rewards(recorded, trainer.verifier.score(recorded, peer.tokenizer, texts=jobs.texts(peer.key)))
-    else:
-        recorded = peer.rollouts(trainer.global_step, rollouts[learner.name], trainer.verifier)
-    sources = {learner.name: rollouts[learner.name], peer.key: recorded}
+    (learner,) = ctx.specs
+    metrics = ctx.metrics()
+    peer = ctx.recorded_peer(rollouts[learner.name])
+    sources = {learner.name: rollouts[learner.name], peer.key: peer.batch}
     with_group_advantages(sources)
     uids, correct = correct_counts(sources, [learner.name, peer.key])
     taken = replay_selection(correct, peer.rollout_n)
     source_of = torch.where(taken, 1, -1).unsqueeze(0)  # [N_R = 1, Q]: 1 = the recorded peer
-    converter = trainer.replay_converter
-
-    def convert(source: str, name: str, rows: torch.Tensor) -> DataProto:
-        if jobs is not None and jobs.started(source):
-            return jobs.convert(source, name, sources[source], rows)
-        return converter.convert(sources[source].select_idxs(rows))
-
-    batches = graft_batches(sources, [learner.name, peer.key], source_of, uids, {learner.name: 0}, convert)
-    metrics[f"agent/{learner.name}/graft/groups_received"] = float(taken.sum())
-    metrics[f"agent/{learner.name}/replay/reward_mean"] = float(recorded.batch[K.REWARD].mean())
-    weigh_grafted_rows(trainer, batches, metrics)
-    metrics[f"agent/{learner.name}/cross/rows"] = float(batches[learner.name].batch[K.IS_CROSS].sum())
-    return batches
+    batches = graft_batches(sources, [learner.name, peer.key], source_of, uids, {learner.name: 0},
+                            lambda source, name, rows: ctx.convert(source, name, sources[source], rows))
+    metrics[learner.name]["graft/groups_received"] = float(taken.sum())
+    metrics[learner.name]["replay/reward_mean"] = float(peer.batch.batch[K.REWARD].mean())
+    weigh_grafted_rows(ctx, batches, metrics)
+    metrics[learner.name]["cross/rows"] = float(batches[learner.name].batch[K.IS_CROSS].sum())
+    return batches, metrics
 
 
 def peer_clip_fraction(update_metrics: dict[str, float]) -> float | None:
@@ -297,13 +265,13 @@ class Graft(Method):
         if settings.replay_peer is not None:
             _validate_replay(settings.replay_peer, specs)
 
-    def exchange(self, trainer: Any, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
-        if trainer.hacpo.replay_peer is not None:
-            return replay_exchange(trainer, rollouts, metrics)
-        return graft_exchange(trainer, rollouts, metrics)
+    def exchange(self, ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict[str, DataProto], AgentMetrics]:
+        if ctx.settings.replay_peer is not None:
+            return replay_exchange(ctx, rollouts)
+        return graft_exchange(ctx, rollouts)
 
-    def advantages(self, trainer: Any, batches: dict[str, DataProto], metrics: dict) -> None:
-        graft_advantages(batches, metrics)
+    def advantages(self, ctx: StepContext, batches: dict[str, DataProto]) -> AgentMetrics:
+        return graft_advantages(batches)
 
     def peer_order(self, settings: "HacpoSettings") -> str | None:
         return settings.graft_order

@@ -15,15 +15,15 @@ nothing and keeps verl's own loss (`actor.policy_loss.loss_mode`), so its object
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.core_algos import capability_baseline, capability_ratio, compute_hacpo_advantage, hacpo_policy_loss_matrix
-from recipe_hacpo.exchange_jobs import convert_peer_rows
 from recipe_hacpo.graft import graft_selection
 from recipe_hacpo.methods.base import Method
+from recipe_hacpo.methods.context import AgentMetrics, StepContext
 from recipe_hacpo.methods.graft import correct_counts
 from recipe_hacpo.methods.rows import concat_rows, tag_rows
 from recipe_hacpo.workers.hacpo_loss import MicroBatch, Objective, PolicyTerm, actor_loss, aggregation_of, clip_ratio
@@ -114,7 +114,7 @@ class ShareSelection(NamedTuple):
     source_of: torch.Tensor  # long [N_R, Q]
 
 
-def complementary_sources(trainer: Any, rollouts: dict[str, DataProto]) -> ShareSelection:
+def complementary_sources(ctx: StepContext, rollouts: dict[str, DataProto]) -> ShareSelection:
     """`share_selection=complementary` (mode hacpo / naive): GRAFT's G1, computed as mode graft does.
 
         C_{S→R} = { q : k_R(q) = 0  and  1 ≤ k_S(q) < n_S },  balanced per unordered pair
@@ -122,10 +122,9 @@ def complementary_sources(trainer: Any, rollouts: dict[str, DataProto]) -> Share
 
     Learner R keeps every own row and, of peer S's rows, those of the prompts with source_of[R, q] = S.
     """
-    names = [s.name for s in trainer.specs]
-    uids, correct = correct_counts(rollouts, names)
-    sizes = torch.as_tensor([s.rollout_n for s in trainer.specs], dtype=torch.long)
-    source_of = graft_selection(correct, sizes, balance=trainer.hacpo.graft_balance)
+    uids, correct = correct_counts(rollouts, ctx.names)
+    sizes = torch.as_tensor([s.rollout_n for s in ctx.specs], dtype=torch.long)
+    source_of = graft_selection(correct, sizes, balance=ctx.settings.graft_balance)
     return ShareSelection({u: i for i, u in enumerate(uids)}, source_of)
 
 
@@ -147,13 +146,13 @@ def mark_selected(part: DataProto, selection: ShareSelection, learner: int) -> D
     return part
 
 
-def selection_metrics(name: str, batch: DataProto, selection: ShareSelection, learner: int) -> dict[str, float]:
+def selection_metrics(batch: DataProto, selection: ShareSelection, learner: int) -> dict[str, float]:
     """cross/rows_selected (peer rows in the loss) and cross/groups_selected (peer groups, one
     source's rows for one prompt, this learner trains on)."""
     peer_selected = batch.batch[K.SELECTED] & batch.batch[K.IS_CROSS]
     return {
-        f"agent/{name}/cross/rows_selected": float(peer_selected.sum()),
-        f"agent/{name}/cross/groups_selected": float((selection.source_of[learner] >= 0).sum()),
+        "cross/rows_selected": float(peer_selected.sum()),
+        "cross/groups_selected": float((selection.source_of[learner] >= 0).sum()),
     }
 
 
@@ -169,46 +168,45 @@ class Hacpo(Method):
         # every agent's group for the prompt when sharing (spec §2: the joint group)
         return sum(s.rollout_n for s in specs) if self.shares else learner.rollout_n
 
-    def exchange(self, trainer: Any, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
+    def exchange(self, ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict[str, DataProto], AgentMetrics]:
         """Learner batches: own rows, then (when sharing) every peer's rows in its tokenization,
         with share_selection=complementary only GRAFT's selected peer rows in the loss."""
-        settings = trainer.hacpo
-        caps = trainer.tracker.capabilities()
+        settings, caps, metrics = ctx.settings, ctx.capabilities, ctx.metrics()
         # share_selection=complementary: GRAFT's G1 picks, per learner and prompt, the one peer
         # whose rows enter the loss (None: every peer row, the methods as published)
-        selection = complementary_sources(trainer, rollouts) if settings.selects_complementary else None
+        selection = complementary_sources(ctx, rollouts) if settings.selects_complementary else None
         batches = {}
-        for learner in trainer.specs:
+        for learner in ctx.specs:
+            mine = metrics[learner.name]
             parts = [tag_rows(rollouts[learner.name], source=learner.index, cross=False, omega=1.0)]
             if self.shares:
-                for src in trainer.specs:
+                for src in ctx.specs:
                     if src.name == learner.name:
                         continue
-                    converted = convert_peer_rows(trainer, src.name, learner.name, rollouts[src.name])
+                    converted = ctx.convert(src.name, learner.name, rollouts[src.name])
                     omega = capability_ratio(caps, src.index, learner.index, settings.omega_clip)
-                    if not trainer.effective.discrepancy_coefficient:
+                    if not ctx.effective.discrepancy_coefficient:
                         omega = 1.0
                     parts.append(tag_rows(converted, source=src.index, cross=True, omega=omega))
-                    metrics[f"agent/{learner.name}/omega/{src.name}"] = omega
+                    mine[f"omega/{src.name}"] = omega
             if selection is not None:
                 parts = [mark_selected(p, selection, learner.index) for p in parts]
             batch = concat_rows(parts)
-            metrics[f"agent/{learner.name}/cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
+            mine["cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
             if selection is not None:
-                metrics.update(selection_metrics(learner.name, batch, selection, learner.index))
+                mine.update(selection_metrics(batch, selection, learner.index))
             batches[learner.name] = batch
-        return batches
+        return batches, metrics
 
-    def advantages(self, trainer: Any, batches: dict[str, DataProto], metrics: dict) -> None:
-        settings = trainer.hacpo
-        caps = trainer.tracker.capabilities()
-        for learner in trainer.specs:
+    def advantages(self, ctx: StepContext, batches: dict[str, DataProto]) -> AgentMetrics:
+        settings, caps, metrics = ctx.settings, ctx.capabilities, ctx.metrics()
+        for learner in ctx.specs:
             batch = batches[learner.name]
             group = (batch.batch[K.REWARD], batch.non_tensor_batch["uid"], batch.batch[K.SOURCE], learner.index, caps)
             # share_selection=complementary: the group statistics run over the selected rows only
             valid = batch.batch[K.SELECTED] if K.SELECTED in batch.batch.keys() else None
             options = dict(
-                use_capability_baseline=trainer.effective.capability_baseline,
+                use_capability_baseline=ctx.effective.capability_baseline,
                 omega_clip=settings.omega_clip,
                 baseline_cap=settings.baseline_cap,
                 valid=valid,
@@ -219,8 +217,11 @@ class Hacpo(Method):
             batch.batch["advantages"] = adv.float().unsqueeze(-1) * mask
             batch.batch["returns"] = batch.batch["advantages"]
             shown = adv if valid is None else adv[valid]  # over the rows that train
-            metrics[f"agent/{learner.name}/advantage/mean"] = float(shown.mean())
-            metrics[f"agent/{learner.name}/advantage/abs_mean"] = float(shown.abs().mean())
             # groups (prompts) of this step whose baseline the §2 guard replaced by the own mean
             guarded_uids = batch.non_tensor_batch["uid"][guarded.numpy()]
-            metrics[f"agent/{learner.name}/advantage/guard_groups"] = float(len(set(guarded_uids.tolist())))
+            metrics[learner.name].update({
+                "advantage/mean": float(shown.mean()),
+                "advantage/abs_mean": float(shown.abs().mean()),
+                "advantage/guard_groups": float(len(set(guarded_uids.tolist()))),
+            })
+        return metrics

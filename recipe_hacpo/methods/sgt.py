@@ -12,15 +12,15 @@ The formulas are recipe_hacpo/sgt.py's pure functions; this module wires them in
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.exchange_jobs import convert_peer_rows
 from recipe_hacpo.graft import graft_policy_loss_matrix, grpo_advantage
 from recipe_hacpo.methods.base import Method
+from recipe_hacpo.methods.context import AgentMetrics, StepContext
 from recipe_hacpo.methods.graft import graft_advantages
 from recipe_hacpo.methods.rows import concat_rows, tag_rows
 from recipe_hacpo.sgt import sgt_selection
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from recipe_hacpo.hacpo_settings import HacpoSettings
 
 
-def sgt_exchange(trainer: Any, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
+def sgt_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict[str, DataProto], AgentMetrics]:
     """Learner batches of mode sgt: every own row, plus one imitation slot per prompt group.
 
     verl's mini-batches and `minibatch.mini_batch_order` need prompt groups of one size, so every
@@ -43,9 +43,8 @@ def sgt_exchange(trainer: Any, rollouts: dict[str, DataProto], metrics: dict) ->
     its token count) and `IMITATION_MASK` is its response mask when it is imitated, else 0.
     The draw is keyed on the receiver's `actor.data_loader_seed`, the step and the prompt uid.
     """
-    specs = trainer.specs
-    names = [s.name for s in specs]
-    for name in names:  # GRPO on each agent's own groups, before anything is exchanged
+    specs, metrics = ctx.specs, ctx.metrics()
+    for name in ctx.names:  # GRPO on each agent's own groups, before anything is exchanged
         batch = rollouts[name]
         batch.batch[K.GROUP_ADVANTAGE] = grpo_advantage(batch.batch[K.REWARD], batch.non_tensor_batch["uid"]).float()
     # every agent's rows in agent-index order, then batch order: the pool order of the draw
@@ -56,8 +55,7 @@ def sgt_exchange(trainer: Any, rollouts: dict[str, DataProto], metrics: dict) ->
 
     batches = {}
     for learner in specs:
-        seed = int(trainer.agents[learner.name].config.actor_rollout_ref.actor.data_loader_seed)
-        uids, picks = sgt_selection(correct, uid, source, learner.index, seed=seed, step=trainer.global_step)
+        uids, picks = sgt_selection(correct, uid, source, learner.index, seed=ctx.seed_of(learner.name), step=ctx.step)
         placeholder = torch.as_tensor([_first_peer_row(uid, source, u, learner.index) for u in uids], dtype=torch.long)
         slot = torch.where(picks >= 0, picks, placeholder)  # one pooled row per prompt
         own = tag_rows(rollouts[learner.name], source=learner.index, cross=False, omega=1.0)
@@ -67,15 +65,17 @@ def sgt_exchange(trainer: Any, rollouts: dict[str, DataProto], metrics: dict) ->
             here = torch.nonzero(source[slot] == src.index).flatten() if src.name != learner.name else slot[:0]
             if not len(here):
                 continue
-            converted = convert_peer_rows(trainer, src.name, learner.name, rollouts[src.name], row[slot[here]])
+            converted = ctx.convert(src.name, learner.name, rollouts[src.name], row[slot[here]])
             parts.append(_imitation_slots(tag_rows(converted, source=src.index, cross=True, omega=1.0), picks[here] >= 0))
         batch = concat_rows(parts)
         batches[learner.name] = batch
         imitated = int((picks >= 0).sum())
-        metrics[f"agent/{learner.name}/sgt/prompts_imitated"] = float(imitated)
-        metrics[f"agent/{learner.name}/sgt/imitation_tokens"] = float(batch.batch[K.IMITATION_MASK].sum())
-        metrics[f"agent/{learner.name}/cross/rows"] = float(imitated)
-    return batches
+        metrics[learner.name].update({
+            "sgt/prompts_imitated": float(imitated),
+            "sgt/imitation_tokens": float(batch.batch[K.IMITATION_MASK].sum()),
+            "cross/rows": float(imitated),
+        })
+    return batches, metrics
 
 
 def _first_peer_row(uid: np.ndarray, source: torch.Tensor, prompt: str, receiver: int) -> int:
@@ -93,13 +93,13 @@ def _imitation_slots(slots: DataProto, imitated: torch.Tensor) -> DataProto:
     return slots
 
 
-def sgt_advantages(batches: dict[str, DataProto], metrics: dict) -> None:
+def sgt_advantages(batches: dict[str, DataProto]) -> AgentMetrics:
     """GRPO's advantage of every own row (as GRAFT's G2); 0 on the imitation slots."""
-    graft_advantages(batches, metrics)
+    metrics = graft_advantages(batches)
     for name, batch in batches.items():
         own = batch.batch[K.GROUP_ADVANTAGE][~batch.batch[K.IS_CROSS]]
-        metrics[f"agent/{name}/advantage/mean"] = float(own.mean())
-        metrics[f"agent/{name}/advantage/abs_mean"] = float(own.abs().mean())
+        metrics[name].update({"advantage/mean": float(own.mean()), "advantage/abs_mean": float(own.abs().mean())})
+    return metrics
 
 
 def imitation_nll(update_metrics: dict[str, float]) -> float | None:
@@ -189,11 +189,11 @@ class Sgt(Method):
     def rows_per_prompt(self, specs: list["AgentSpec"], learner: "AgentSpec", settings: "HacpoSettings") -> int:
         return learner.rollout_n + 1  # the learner's own group and its imitation slot
 
-    def exchange(self, trainer: Any, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
-        return sgt_exchange(trainer, rollouts, metrics)
+    def exchange(self, ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict[str, DataProto], AgentMetrics]:
+        return sgt_exchange(ctx, rollouts)
 
-    def advantages(self, trainer: Any, batches: dict[str, DataProto], metrics: dict) -> None:
-        sgt_advantages(batches, metrics)
+    def advantages(self, ctx: StepContext, batches: dict[str, DataProto]) -> AgentMetrics:
+        return sgt_advantages(batches)
 
     def step_metrics(self, update_metrics: dict[str, float]) -> dict[str, float]:
         nll = imitation_nll(update_metrics)
