@@ -12,6 +12,7 @@ import math
 import os
 import socket
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import ray
@@ -24,7 +25,7 @@ from recipe_hacpo.agent_spec import AgentSpec
 from recipe_hacpo.hacpo_settings import HacpoSettings
 from recipe_hacpo.exchange import eos_token_ids
 from recipe_hacpo.placement import make_pool, request_for
-from recipe_hacpo.workers.hacpo_loss import aggregation_of
+from recipe_hacpo.methods.objective import aggregation_of
 from verl import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
 from verl.utils import hf_tokenizer
@@ -192,7 +193,7 @@ class AgentRuntime:
             output = self.wg.compute_ref_log_prob(td)
         return no_padding_2_padding(tu.get(output, "log_probs"), td).float()
 
-    def update(self, batch: DataProto, rows_per_prompt: int, peer_order: str | None = None) -> dict[str, float]:
+    def update(self, batch: DataProto, rows_per_prompt: int, order: Callable[..., np.ndarray] | None = None) -> dict[str, float]:
         """Mini-batch updates on the learner batch; returns the actor's metrics (`_step_metrics`).
 
         `actor.ppo_mini_batch_size` keeps verl's meaning: prompts per optimizer update, each
@@ -204,11 +205,9 @@ class AgentRuntime:
         hacpo/updates (optimizer updates this step), hacpo/lower_bound (mean over them of the
         bound the loss used), hacpo/min_own_rows and hacpo/min_cross_rows (fewest own / cross
         rows any rank had in any mini-batch).
-        With `peer_order` (mode=graft) every group is either own or one source's whole group,
-        and `graft.graft_mini_batch_order` puts the grafted groups' mini-batches last (or first,
-        or mixed) instead.
+        `order` is the method's rule (`Method.mini_batch_order`: GRAFT puts the grafted groups'
+        mini-batches last, or first, or mixed); None: `minibatch.mini_batch_order`.
         """
-        from recipe_hacpo.graft import graft_mini_batch_order
         from recipe_hacpo.minibatch import mini_batch_order
 
         actor = self.config.actor_rollout_ref.actor
@@ -221,11 +220,8 @@ class AgentRuntime:
             # isolated learners keep verl's row order (prompt groups are already contiguous)
             layout = dict(mini_batch_prompts=mini_prompts, dp_size=self.dp_size, seed=seed)
             uid, cross = batch.non_tensor_batch["uid"], batch.batch[K.IS_CROSS].numpy()
-            if peer_order is None:
-                order = mini_batch_order(uid, cross, **layout)
-            else:
-                order = graft_mini_batch_order(uid, cross, peer_order=peer_order, **layout)
-            batch = batch.select_idxs(torch.as_tensor(order))
+            rows = (order or mini_batch_order)(uid, cross, **layout)
+            batch = batch.select_idxs(torch.as_tensor(rows))
         td = worker_tensordict(batch)
         tu.assign_non_tensor(
             td,

@@ -132,15 +132,17 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
             f"trainer.max_actor_ckpt_to_keep={keep!r}: the number of newest joint checkpoints kept, >= 1 "
             "(null keeps every checkpoint)"
         )
-    if hacpo.shares and len(specs) < 2 and hacpo.replay_peer is None:
+    from recipe_hacpo.methods import method_for
+
+    method = method_for(hacpo.mode)
+    if hacpo.shares and len(specs) < 2 and method.replay_source(hacpo) is None:
         raise ConfigError(
             f"algorithm.hacpo.mode={hacpo.mode}: sharing needs at least 2 agents, got {len(specs)}; "
             "add an agent or use mode=isolated"
         )
-    from recipe_hacpo.methods import method_for
-
-    # the method's own checks (its keys, the agents it can train): recipe_hacpo/methods/
-    method_for(hacpo.mode).validate(specs, hacpo, {s.name: data_parallel_world(cfg, s) for s in specs})
+    # the method's own checks (its options, its keys, the agents it can train): recipe_hacpo/methods/
+    method.options(hacpo)
+    method.validate(specs, hacpo, {s.name: data_parallel_world(cfg, s) for s in specs})
 
     master_port_ranges(cfg.trainer.master_port_range, [s.name for s in specs])  # one line if unusable
     _validate_rollout_check(cfg, specs)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 PATH = "algorithm.hacpo"
@@ -161,6 +161,9 @@ class HacpoSettings:
         "receiver's GRPO loss (the value GRAFT's paper ran SGT with); 0 leaves plain GRPO",
         rule=(lambda v: v >= 0 and math.isfinite(v), "be a finite number >= 0 (0: no imitation term)"),
     )
+    method_options: dict = field(default_factory=dict, metadata={
+        "section": "§8", "meaning": "a method's own settings, as the method declares them (`Method.options_type`, "
+        "docs/ALGORITHM.md \"Adding a method\"); the shipped methods take none", "choices": (), "rule": None})
 
     @property
     def shares(self) -> bool:
@@ -265,6 +268,10 @@ def _coerce(f, value: Any) -> Any:
         if value is None or (isinstance(value, str) and value):
             return value
         raise ConfigError(f"{_at(f.name, value)}: must be a path or null")
+    if kind == "dict":
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return dict(value)
+        raise ConfigError(f"{_at(f.name, value)}: must be a map of option names to values")
     if kind == "tuple[float, float]":
         pair = [_number(v) for v in value] if isinstance(value, (list, tuple)) else []
         if len(pair) == 2 and None not in pair:
@@ -287,6 +294,8 @@ def _shown_default(value: Any) -> str:
         return "null"
     if isinstance(value, tuple):
         return f"[{', '.join(str(v) for v in value)}]"
+    if value == {}:
+        return "{}"
     return str(value)
 
 
@@ -294,8 +303,9 @@ def markdown_table() -> str:
     """The key table of docs/ALGORITHM.md, generated from the declaration above."""
     lines = ["| key | default | § | meaning |", "|---|---|---|---|"]
     for f in fields(HacpoSettings):
+        default = f.default_factory() if f.default is MISSING else f.default
         lines.append(
-            f"| `{f.name}` | `{_shown_default(f.default)}` | {f.metadata['section']} | "
+            f"| `{f.name}` | `{_shown_default(default)}` | {f.metadata['section']} | "
             + f.metadata["meaning"].replace("|", "\\|")
             + " |"
         )

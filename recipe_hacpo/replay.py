@@ -32,7 +32,7 @@ import os
 import torch
 
 from recipe_hacpo.atomic_io import atomic_write_json, fsync_dir
-from recipe_hacpo.graft import complementary_candidates
+from recipe_hacpo.methods.graft_formulas import complementary_candidates
 from recipe_hacpo.hacpo_settings import ConfigError
 from recipe_hacpo.scoring import attach_rewards
 from verl import DataProto

@@ -30,6 +30,7 @@ import sys
 import time
 import uuid
 from contextlib import contextmanager
+from functools import partial
 from typing import Callable, TypeVar
 
 import numpy as np
@@ -81,6 +82,8 @@ class HacpoTrainer:
     # the background conversions (exchange_jobs.py); None: every conversion runs in the exchange
     # phase (trainer.exchange_workers=0, and trainers assembled without init_workers)
     exchange_jobs: ExchangeJobs | None = None
+    # the recorded agent replayed as a peer (replay.py, the method's `replay_source`); None: live peers
+    replay_peer: RecordedPeer | None = None
     # the step in flight, for a stop signal's decision (preemption.py); None between steps and in
     # trainers assembled without __init__ (tests' stand-ins)
     _step_started: float | None = None
@@ -140,8 +143,9 @@ class HacpoTrainer:
         # starting); agents on the shared pool build in turn; a failure names its agent
         self.for_each_agent(lambda a: a.build(self.hacpo, shared if a.spec.uses_shared_pool else None))
         self.converters = self._build_converters()
-        if self.hacpo.replay_peer is not None:  # GRAFT against a recorded peer (replay.py); one live agent
-            self.replay_peer = RecordedPeer(self.hacpo.replay_peer)
+        replayed = self.method.replay_source(self.hacpo)
+        if replayed is not None:  # a recorded agent stands in for a live peer (replay.py); one live agent
+            self.replay_peer = RecordedPeer(replayed)
             (learner,) = self.agents.values()
             self.converters[(self.replay_peer.key, learner.spec.name)] = self._converter(
                 self.replay_peer.tokenizer, self.replay_peer.eos_token_ids, learner)
@@ -309,7 +313,7 @@ class HacpoTrainer:
         jobs = self.exchange_jobs
         if jobs is not None:
             jobs.start(agent.spec.name, batch, self._peer_learners(agent.spec.name), agent.tokenizer)
-            if self.hacpo.replay_peer is not None:  # the recording of this step, checked against these prompts
+            if self.replay_peer is not None:  # the recording of this step, checked against these prompts
                 peer, step = self.replay_peer, self.global_step
                 jobs.start(peer.key, lambda: peer.load(step, batch), [agent.spec.name], peer.tokenizer)
         return batch
@@ -406,7 +410,7 @@ class HacpoTrainer:
             seed_of=lambda name: int(self.agents[name].config.actor_rollout_ref.actor.data_loader_seed),
             convert=self.convert_rows,
             old_log_probs_of_rows=self.old_log_probs_of_rows,
-            recorded_peer=self.recorded_rows if self.hacpo.replay_peer is not None else None,
+            recorded_peer=self.recorded_rows if self.replay_peer is not None else None,
         )
 
     def convert_rows(self, source: str, learner: str, batch: DataProto, rows: torch.Tensor | None = None) -> DataProto:
@@ -445,10 +449,9 @@ class HacpoTrainer:
         for name, batch in batches.items():
             check_learner_batch(name, batch, self.global_step)
         self._dump_learner_batches(batches)
-        order = method.peer_order(self.hacpo)
+        order = partial(method.mini_batch_order, self.hacpo)
         out = self.for_each_agent(
-            lambda a: a.update(batches[a.spec.name], method.rows_per_prompt(self.specs, a.spec, self.hacpo),
-                               peer_order=order),
+            lambda a: a.update(batches[a.spec.name], method.rows_per_prompt(self.specs, a.spec, self.hacpo), order=order),
             phase="update_actor",
         )
         groups = ("actor/", "hacpo/", *method.metric_groups)

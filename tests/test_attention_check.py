@@ -43,7 +43,9 @@ def test_gpu_preset_without_flash_attn_is_refused_in_one_line(gpu_driver, monkey
     assert "\n" not in msg
     assert msg.startswith("agents.qwen3_1p7b_base: ")
     assert f"{ATTN_KEY}=flash_attention_2 (verl default)" in msg
-    assert f"set {ATTN_KEY}=sdpa and actor_rollout_ref.model.use_remove_padding=false" in msg
+    assert f"run without it: {ATTN_KEY}=sdpa actor_rollout_ref.model.use_remove_padding=false" in msg
+    # the exact command that installs a prebuilt wheel, and where to get one
+    assert "pip install --no-deps <flash_attn-2.8.3-" in msg and "docs/INSTALL.md" in msg
     assert "ImportError" in msg or "ModuleNotFoundError" in msg
 
 

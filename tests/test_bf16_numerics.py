@@ -16,9 +16,9 @@ import torch
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.core_algos import accumulation_dtype, hacpo_policy_loss_matrix, seq_mean_token_mean
-from recipe_hacpo.graft import compute_graft_policy_loss, token_mean
+from recipe_hacpo.methods.graft_formulas import compute_graft_policy_loss, token_mean
 from recipe_hacpo.hacpo_settings import HacpoSettings
-from recipe_hacpo.sgt import compute_sgt_loss
+from recipe_hacpo.methods.sgt_formulas import compute_sgt_loss
 
 BF16, F32 = torch.bfloat16, torch.float32
 B, T = 12, 2048
@@ -155,7 +155,7 @@ def _worker_micro_batch(lp, old, mask, is_cross, src, omega, adv, own_only: bool
 @pytest.mark.parametrize("loss_name", ["hacpo_actor_loss", "graft_actor_loss", "sgt_actor_loss"])
 def test_worker_losses_bf16_equal_fp32(loss_name):
     from recipe_hacpo.methods import method_for
-    from recipe_hacpo.workers.hacpo_loss import actor_loss
+    from recipe_hacpo.methods.objective import actor_loss
 
     lp, old, mask, is_cross, src, omega, adv, _ = _inputs(3)
     td, flat = _worker_micro_batch(lp, old, mask, is_cross, src, omega, adv, own_only=loss_name == "sgt_actor_loss")

@@ -100,7 +100,7 @@ class _Agent:
     # the real agent's padding of a call over some rows to its engine's micro-batch unit
     old_log_prob_of_rows = AgentRuntime.old_log_prob_of_rows
 
-    def update(self, batch: DataProto, rows_per_prompt: int, peer_order=None) -> dict:
+    def update(self, batch: DataProto, rows_per_prompt: int, order=None) -> dict:
         self.trained = batch
         return {}
 

@@ -1,4 +1,4 @@
-"""Formula-level tests of GRAFT (recipe_hacpo.graft; SGT's are in test_sgt.py): hand-computed selection (balancing,
+"""Formula-level tests of GRAFT (recipe_hacpo.methods.graft_formulas; SGT's are in test_sgt.py): hand-computed selection (balancing,
 ties, N = 3), advantages, weights, loss values and gradients; equivalence to verl's GRPO when
 nothing is exchanged; and the HACPO advantage of a group with no row of the learner."""
 
@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from recipe_hacpo.core_algos import capability_baseline, compute_hacpo_advantage
-from recipe_hacpo.graft import (
+from recipe_hacpo.methods.graft_formulas import (
     assign_sources,
     balanced_selection,
     compatibility_weight,

@@ -19,8 +19,8 @@ from helpers.golden import check_golden, golden_run_overrides
 from helpers.e2e import REPO, agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.graft import grpo_advantage
-from recipe_hacpo.sgt import sgt_selection
+from recipe_hacpo.methods.graft_formulas import grpo_advantage
+from recipe_hacpo.methods.sgt_formulas import sgt_selection
 
 pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 

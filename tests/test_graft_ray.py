@@ -45,7 +45,11 @@ def test_grafted_groups_train_last_with_their_weights(ray_cluster, tiny_agent_pa
     # the receiver's own old log-probs on every row, grafted ones included (GRAFT's extra forward)
     batch.batch["old_log_probs"] = runtime.old_log_prob(batch)
 
-    metrics = runtime.update(batch, rows_per_prompt=OWN, peer_order=order)
+    from functools import partial
+
+    from recipe_hacpo.methods import method_for
+
+    metrics = runtime.update(batch, rows_per_prompt=OWN, order=partial(method_for("graft").mini_batch_order, hacpo))
 
     (rank,) = runtime.last_update_record
     assert [e["update_index"] for e in rank] == [0, 1, 2, 3]

@@ -144,6 +144,8 @@ BAD = [
     ("algorithm.hacpo.sgt_lambda=-0.1", "sgt_lambda", "must be a finite number >= 0"),
     ("algorithm.hacpo.replay_peer=/tmp/recorded/a", "replay_peer", "replays a recorded peer for mode=graft"),
     ("algorithm.hacpo.replay_peer=3", "replay_peer", "must be a path or null"),
+    ("algorithm.hacpo.method_options=3", "method_options", "must be a map of option names to values"),
+    ("+algorithm.hacpo.method_options.temperature=2", "method_options", "mode=hacpo takes no method options"),
     ("+algorithm.hacpo.alhpa=1", "alhpa", "unknown key"),
 ]
 

@@ -17,7 +17,7 @@ from recipe_hacpo import batch_keys as K
 from recipe_hacpo.hacpo_settings import MODES, ConfigError, HacpoSettings
 from recipe_hacpo.methods import METHODS, Method, method_for
 from recipe_hacpo.methods.rows import concat_rows, tag_rows
-from recipe_hacpo.workers.hacpo_loss import Objective, PolicyTerm
+from recipe_hacpo.methods.objective import Objective, PolicyTerm
 
 TOY = "test_method_contract:ToyReinforce"
 
@@ -104,7 +104,7 @@ def test_a_method_outside_the_package_is_named_by_import_path():
 def test_the_step_config_and_worker_hold_no_branch_on_the_mode():
     """No comparison with `.mode` in the trainer, config.py, the worker or its loss frame: the
     method decides (the settings module, which defines the modes, is the one place that may)."""
-    for rel in ("recipe_hacpo/trainer.py", "recipe_hacpo/config.py", "workers/hacpo_worker.py", "workers/hacpo_loss.py"):
+    for rel in ("recipe_hacpo/trainer.py", "recipe_hacpo/config.py", "workers/hacpo_worker.py", "recipe_hacpo/methods/objective.py"):
         tree = ast.parse(Path(REPO, rel).read_text())
         compared = [
             node.lineno for node in ast.walk(tree)

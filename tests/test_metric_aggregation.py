@@ -9,7 +9,7 @@ import math
 from verl.utils.metric import AggregationType, Metric
 
 from recipe_hacpo.agent_runtime import _step_metrics
-from recipe_hacpo.workers.hacpo_loss import aggregation_of
+from recipe_hacpo.methods.objective import aggregation_of
 
 
 def test_each_loss_metric_family_has_its_aggregation():

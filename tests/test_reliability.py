@@ -382,18 +382,18 @@ def test_trainer_phases_stop_on_nonfinite_with_agent_name():
     batches["qwen_char"].batch["advantages"][0, 0] = float("inf")
     updated = []
     for a in t.agents.values():
-        a.update = lambda batch, rows, peer_order=None: updated.append(rows) or {"actor/pg_loss": 0.0}
+        a.update = lambda batch, rows, order=None: updated.append(rows) or {"actor/pg_loss": 0.0}
     with pytest.raises(FloatingPointError, match=r"^agent 'qwen_char': non-finite advantages in 1 of 4 rows at step 3"):
         t.update(batches, {})
     assert updated == []  # no agent was updated
     batches["qwen_char"].batch["advantages"][0, 0] = 0.0
     for n, a in t.agents.items():
-        a.update = lambda batch, rows, peer_order=None, n=n: {"actor/pg_loss": float("nan") if n == "llama_pair" else 0.1, "grad_norm": 1.0}
+        a.update = lambda batch, rows, order=None, n=n: {"actor/pg_loss": float("nan") if n == "llama_pair" else 0.1, "grad_norm": 1.0}
     with pytest.raises(FloatingPointError, match=r"^agent 'llama_pair': actor/pg_loss is nan"):
         t.update(batches, {})
     metrics = {}
     for a in t.agents.values():
-        a.update = lambda batch, rows, peer_order=None: {"actor/pg_loss": 0.1, "grad_norm": float("nan")}
+        a.update = lambda batch, rows, order=None: {"actor/pg_loss": 0.1, "grad_norm": float("nan")}
     t.update(batches, metrics)
     assert metrics["agent/qwen_char/actor/nonfinite_grad_skipped"] == 1.0
     t._pool.shutdown()

@@ -15,7 +15,7 @@ from helpers.compose import first_agent_only as _first_agent_only
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.config import ConfigError, validate
-from recipe_hacpo.graft import graft_selection
+from recipe_hacpo.methods.graft_formulas import graft_selection
 from recipe_hacpo.replay import (
     MANIFEST,
     RecordedPeer,

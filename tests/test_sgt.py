@@ -15,9 +15,9 @@ import torch
 from helpers.verl_losses import verl_vanilla_loss as _verl_vanilla
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.graft import compute_graft_policy_loss, grpo_advantage
+from recipe_hacpo.methods.graft_formulas import compute_graft_policy_loss, grpo_advantage
 from recipe_hacpo.hacpo_settings import ConfigError, HacpoSettings
-from recipe_hacpo.sgt import compute_sgt_loss, imitation_nll, sgt_draw, sgt_selection
+from recipe_hacpo.methods.sgt_formulas import compute_sgt_loss, imitation_nll, sgt_draw, sgt_selection
 from helpers.compose import compose_config
 
 F64 = torch.float64

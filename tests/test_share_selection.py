@@ -21,7 +21,7 @@ from recipe_hacpo import batch_keys as K
 from recipe_hacpo.config import AgentSpec
 from recipe_hacpo.core_algos import CapabilityTracker, compute_hacpo_advantage, compute_hacpo_policy_loss
 from recipe_hacpo.exchange import RolloutExchange, pack_rows
-from recipe_hacpo.graft import graft_selection
+from recipe_hacpo.methods.graft_formulas import graft_selection
 from recipe_hacpo.hacpo_settings import HacpoSettings
 
 F64 = torch.float64
@@ -290,8 +290,11 @@ def test_worker_loss_leaves_out_unselected_rows_in_value_gradient_and_row_count(
 def _worker():
     from recipe_hacpo.workers.hacpo_worker import HacpoTrainingWorker
 
+    from recipe_hacpo.methods import method_for
+
     w = object.__new__(HacpoTrainingWorker)
     w.engine = SimpleNamespace(get_data_parallel_size=lambda: 1)
+    w.global_counts = dict(method_for("hacpo").global_counts)  # as the actor worker's init_model sets them
     return w
 
 

@@ -299,7 +299,7 @@ def test_18_lora_reference_in_actor_and_merged_sync():
               "the merge switch is no longer read from model.lora.merge")
 
 
-def test_19_sgt_imitation_tokens_are_summed_over_the_engines_data_parallel_group():
+def test_19_a_methods_global_counts_are_summed_over_the_engines_data_parallel_group():
     from verl.workers.engine.base import BaseEngine
     from verl.workers.engine.fsdp.transformer_impl import FSDPEngine
 

@@ -1,17 +1,15 @@
 """HACPO's verl worker role: verl's engine `ActorRolloutRefWorker` trained with the HACPO loss.
 
 Two differences from verl's worker, both by subclassing:
-- the actor's loss function is the frame `hacpo_loss.actor_loss` around the method's objective
-  (`recipe_hacpo.methods`: HACPO's own GSPO rows + reweighted cross rows for modes hacpo and
-  naive, GRAFT's weighted PPO-clip, SGT's GRPO + λ·NLL); a method without an objective (mode
-  isolated) keeps verl's own loss, so `actor.policy_loss.loss_mode` selects verl's gspo or
+- the actor's loss function is the frame `methods.objective.actor_loss` around the method's
+  objective (`recipe_hacpo.methods`, chosen by `algorithm.hacpo.mode`); a method without an
+  objective keeps verl's own loss, so `actor.policy_loss.loss_mode` selects verl's gspo or
   vanilla (GRPO) loss as in verl;
 - the inner training worker numbers the optimizer updates of a training step, so the loss
   knows m of spec §5 (stepwise clipping) for every mini-batch, across ppo epochs, and keeps a
-  record per mini-batch of m, the lower bound the loss used and its own / cross row counts; in
-  mode sgt it also counts each mini-batch's imitated tokens over all ranks (the NLL term's
-  token-mean denominator, `batch_keys.IMITATION_TOKENS`), and with share_selection=complementary
-  the selected rows over all ranks (the HACPO loss's seq-mean denominator, `batch_keys.LOSS_ROWS`).
+  record per mini-batch of m, the lower bound the loss used and its own / cross row counts; it
+  also sums, over every rank of each mini-batch, the fields the method's loss needs counted
+  globally (`Method.global_counts`: a token-mean's or seq-mean's denominator).
 The actor's and the reference's output rows beyond the tokenizer's ids are banned as verl's vLLM
 engine bans them (workers/vocab_tail.py). Everything else (FSDP engine, old/ref log-probs,
 checkpoints, weight sync to the rollout engine) is verl's own.
@@ -29,7 +27,7 @@ from tensordict import TensorDict
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.hacpo_settings import HacpoSettings
 from recipe_hacpo.methods import method_for
-from recipe_hacpo.workers.hacpo_loss import actor_loss
+from recipe_hacpo.methods.objective import actor_loss
 from recipe_hacpo.workers.vocab_tail import ban_vocab_tail
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import tensordict_utils as tu
@@ -47,6 +45,9 @@ class HacpoTrainingWorker(TrainingWorker):
     """
 
     _update_index = 0
+    # {non-tensor key: field}: counts the method's loss needs over every data-parallel rank of a
+    # mini-batch (`Method.global_counts`), set by the outer worker once the method is known
+    global_counts: dict[str, str] = {}
 
     def train_mini_batch(self, data: TensorDict) -> TensorDict:
         expected = _expected_updates(data, self.engine.get_data_parallel_size())
@@ -62,26 +63,14 @@ class HacpoTrainingWorker(TrainingWorker):
 
     def train_batch(self, data: TensorDict) -> TensorDict:
         tu.assign_non_tensor(data, **{K.UPDATE_INDEX: self._update_index})
-        if K.IMITATION_MASK in data.keys():
-            tu.assign_non_tensor(data, **{K.IMITATION_TOKENS: self._imitation_tokens(data)})
-        if K.SELECTED in data.keys():
-            tu.assign_non_tensor(data, **{K.LOSS_ROWS: self._loss_rows(data)})
+        for key, counted in self.global_counts.items():
+            if counted in data.keys():
+                tu.assign_non_tensor(data, **{key: self._over_ranks(data[counted].sum())})
         self._micro_records: list[dict] = []
         output = super().train_batch(data)
         self.update_record.append(self._mini_batch_record(data))
         self._update_index += 1
         return output
-
-    def _imitation_tokens(self, data: TensorDict) -> int:
-        """mode=sgt: imitated tokens of this mini-batch over every data-parallel rank, the NLL
-        term's token-mean denominator (counted as verl's engine counts `batch_num_tokens`)."""
-        return self._over_ranks(data[K.IMITATION_MASK].sum())
-
-    def _loss_rows(self, data: TensorDict) -> int:
-        """share_selection=complementary: selected rows of this mini-batch over every data-parallel
-        rank, the HACPO loss's seq-mean denominator (verl's `global_batch_size` counts every row,
-        the unselected peer rows too, which carry no token)."""
-        return self._over_ranks(data[K.SELECTED].sum())
 
     def _over_ranks(self, count: torch.Tensor) -> int:
         """This rank's count summed over the data-parallel ranks."""
@@ -147,8 +136,10 @@ class HacpoActorRolloutRefWorker(ActorRolloutRefWorker):
         for worker in (self.actor, self.ref):
             if worker is not None:
                 ban_vocab_tail(worker.engine.module, worker.engine.model_config.tokenizer)
-        objective = method_for(self.hacpo_loss.mode).objective if self.hacpo_loss is not None else None
+        method = method_for(self.hacpo_loss.mode) if self.hacpo_loss is not None else None
+        objective = method.objective if method is not None else None
         if self._is_actor and objective is not None:
+            self.actor.global_counts = dict(method.global_counts)
             actor_config = omega_conf_to_dataclass(self.config.actor)
             self.loss_fn = partial(actor_loss, objective, actor_config, self.hacpo_loss, record=self.actor.record_micro_batch)
             self.actor.set_loss_fn(self.loss_fn)

@@ -10,9 +10,19 @@ methods differ, as the methods of one `Method` object:
                                          (the background conversions start as its rollouts return)
     exchange(ctx, rollouts)              the learner batches from the step's rollouts, and metrics
     advantages(ctx, batches)             every learner row's advantage; returns metrics
-    peer_order(s)                        the mini-batch order key of `AgentRuntime.update` (None: own order)
+    mini_batch_order(s, uid, is_cross, ...)  the update order of a learner batch with cross rows
+                                         (default: whole prompt groups, own and cross rows in every
+                                         mini-batch on every rank, `minibatch.mini_batch_order`)
+    replay_source(s)                     a recorded agent to replay as a peer (replay.py); None: live peers
+    options(s)                           its own settings: `algorithm.hacpo.method_options` typed by
+                                         `options_type` (a dataclass), checked before Ray starts
     step_metrics(update_metrics)         step figures derived from the loss's summed counts
-    objective                            the policy term of its loss (workers/hacpo_loss.py's frame
+    batch_fields                         the per-row tensors its exchange adds that every learner
+                                         batch keeps (`rows.concat_rows`) and the worker receives
+    global_counts                        {non-tensor key: per-row/token field}: that field summed
+                                         over every data-parallel rank of each mini-batch, set by
+                                         the worker where the loss reads it
+    objective                            the policy term of its loss (methods/objective.py's frame
                                          adds entropy and KL and runs it per micro-batch); None:
                                          verl's own loss stays installed
 
@@ -24,7 +34,10 @@ come back per agent, named below `agent/<name>/` (`AgentMetrics`); the trainer a
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from dataclasses import fields, is_dataclass
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
 
 from recipe_hacpo.methods.context import AgentMetrics, StepContext
 
@@ -33,17 +46,21 @@ if TYPE_CHECKING:
 
     from recipe_hacpo.agent_spec import AgentSpec
     from recipe_hacpo.hacpo_settings import HacpoSettings
-    from recipe_hacpo.workers.hacpo_loss import Objective
+    from recipe_hacpo.methods.objective import Objective
 
 
 class Method(ABC):
     """The contract; `exchange` and `advantages` every method defines, the rest has defaults:
-    no extra checks, the learner's own group size, every peer as a learner when sharing, own
-    mini-batch order, no derived step metrics, verl's loss (no objective)."""
+    no extra checks, the learner's own group size, every peer as a learner when sharing, whole
+    prompt groups in every mini-batch, live peers, no options, no derived step metrics, no fields
+    or counts of its own, verl's loss (no objective)."""
 
     # step-metric groups its loss reports besides actor/ (kept under agent/<name>/<group>/...)
     metric_groups: tuple[str, ...] = ()
     objective: "Objective | None" = None
+    batch_fields: tuple[str, ...] = ()
+    global_counts: Mapping[str, str] = {}
+    options_type: type | None = None
 
     def validate(self, specs: list["AgentSpec"], settings: "HacpoSettings", gpus: dict[str, int]) -> None:
         """Raise `ConfigError` (one line naming the key and agent) for what this method cannot train.
@@ -53,7 +70,7 @@ class Method(ABC):
         return learner.rollout_n
 
     def peer_learners(self, specs: list["AgentSpec"], settings: "HacpoSettings", source: str) -> list[str]:
-        if not settings.shares or settings.replay_peer is not None:
+        if not settings.shares or self.replay_source(settings) is not None:
             return []
         return [s.name for s in specs if s.name != source]
 
@@ -65,8 +82,36 @@ class Method(ABC):
     def advantages(self, ctx: StepContext, batches: dict[str, "DataProto"]) -> AgentMetrics:
         """Set `advantages` and `returns` ([B, T], 0 outside the response mask) on every batch."""
 
-    def peer_order(self, settings: "HacpoSettings") -> str | None:
+    def mini_batch_order(self, settings: "HacpoSettings", uid: np.ndarray, is_cross: np.ndarray, *,
+                         mini_batch_prompts: int, dp_size: int, seed: int) -> np.ndarray:
+        """Permutation [B] that puts a learner batch with cross rows in update order."""
+        from recipe_hacpo.minibatch import mini_batch_order
+
+        return mini_batch_order(uid, is_cross, mini_batch_prompts=mini_batch_prompts, dp_size=dp_size, seed=seed)
+
+    def replay_source(self, settings: "HacpoSettings") -> str | None:
         return None
+
+    def options(self, settings: "HacpoSettings") -> Any:
+        """`algorithm.hacpo.method_options` as `options_type` (None when the method takes none);
+        a `ConfigError` naming the key when one is unknown or of the wrong kind."""
+        from recipe_hacpo.hacpo_settings import PATH, ConfigError
+
+        raw = dict(settings.method_options)
+        where = f"{PATH}.method_options"
+        if self.options_type is None:
+            if raw:
+                raise ConfigError(f"{where}.{sorted(raw)[0]}: mode={settings.mode} takes no method options")
+            return None
+        assert is_dataclass(self.options_type), "options_type must be a dataclass"
+        known = {f.name: f for f in fields(self.options_type)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ConfigError(f"{where}.{unknown[0]}: not an option of mode={settings.mode} (its options: {', '.join(known)})")
+        try:
+            return self.options_type(**raw)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{where}: {exc}") from exc
 
     def step_metrics(self, update_metrics: dict[str, float]) -> dict[str, float]:
         return {}

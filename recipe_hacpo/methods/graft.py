@@ -8,9 +8,9 @@
     G3  one more forward of the receiver over its grafted rows only: its old log-probs of
         their re-tokenized text (the ratio's denominator) and w against the source's own
     G4  the objective: verl's PPO-clip against the receiver's old policy, × w, token-mean
-    G5  the mini-batch order in `AgentRuntime.update` (`graft.graft_mini_batch_order`, `peer_order`)
+    G5  the mini-batch order (`Graft.mini_batch_order`: `graft_formulas.graft_mini_batch_order`)
 
-The formulas are recipe_hacpo/graft.py's pure functions; this module wires them into the step.
+The formulas are recipe_hacpo/methods/graft_formulas.py's pure functions; this module wires them into the step.
 """
 
 from __future__ import annotations
@@ -18,17 +18,24 @@ from __future__ import annotations
 from functools import partial
 from typing import TYPE_CHECKING, Callable
 
+import numpy as np
 import torch
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.exchange import mean_log_prob_per_response
-from recipe_hacpo.graft import compatibility_weight, graft_policy_loss_matrix, graft_selection, grpo_advantage
+from recipe_hacpo.methods.graft_formulas import (
+    compatibility_weight,
+    graft_mini_batch_order,
+    graft_policy_loss_matrix,
+    graft_selection,
+)
+from recipe_hacpo.methods.groups import advantages_from_groups, correct_counts, with_group_advantages
 from recipe_hacpo.hacpo_settings import ConfigError
 from recipe_hacpo.methods.base import Method
 from recipe_hacpo.methods.context import AgentMetrics, StepContext
 from recipe_hacpo.methods.rows import concat_rows, tag_rows
 from recipe_hacpo.replay import read_manifest, replay_selection
-from recipe_hacpo.workers.hacpo_loss import MicroBatch, Objective, PolicyTerm, actor_loss, clip_ratio
+from recipe_hacpo.methods.objective import MicroBatch, Objective, PolicyTerm, actor_loss, clip_ratio
 from verl import DataProto
 
 if TYPE_CHECKING:
@@ -36,19 +43,8 @@ if TYPE_CHECKING:
     from recipe_hacpo.hacpo_settings import HacpoSettings
 
 
-def correct_counts(rollouts: dict[str, DataProto], names: list[str]) -> tuple[list[str], torch.Tensor]:
-    """The step's prompts (uids in batch order) and k_M(q) of every agent, long [N, Q].
-
-    A response counts as correct when its reward is positive (the verifier's rewards are 0/1).
-    """
-    uids = list(dict.fromkeys(rollouts[names[0]].non_tensor_batch["uid"].tolist()))
-    where = {u: i for i, u in enumerate(uids)}
-    correct = torch.zeros(len(names), len(uids), dtype=torch.long)
-    for a, name in enumerate(names):
-        batch = rollouts[name]
-        q = torch.as_tensor([where[u] for u in batch.non_tensor_batch["uid"].tolist()], dtype=torch.long)
-        correct[a].index_add_(0, q, (batch.batch[K.REWARD] > 0).long())
-    return uids, correct
+# the GRPO advantage of each row's own group, which travels with a grafted row (G2)
+GRAFT_FIELDS = (K.GROUP_ADVANTAGE,)
 
 
 def graft_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict[str, DataProto], AgentMetrics]:
@@ -67,13 +63,6 @@ def graft_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[di
     for name, batch in batches.items():
         metrics[name]["cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
     return batches, metrics
-
-
-def with_group_advantages(rollouts: dict[str, DataProto]) -> None:
-    """G2: every source's GRPO advantage on its full group, before anything is exchanged or dropped
-    (`GROUP_ADVANTAGE` then travels with each row)."""
-    for batch in rollouts.values():
-        batch.batch[K.GROUP_ADVANTAGE] = grpo_advantage(batch.batch[K.REWARD], batch.non_tensor_batch["uid"]).float()
 
 
 def graft_batches(
@@ -103,7 +92,7 @@ def graft_batches(
             if len(rows):
                 parts.append(tag_rows(convert(source, learner, rows), source=index, cross=True, omega=1.0))
         # a receiver may have no own group left, never no group at all (every prompt has one)
-        batches[learner] = concat_rows([p for p in parts if len(p)])
+        batches[learner] = concat_rows([p for p in parts if len(p)], GRAFT_FIELDS)
     return batches
 
 
@@ -144,18 +133,6 @@ def weigh_grafted_rows(ctx: StepContext, batches: dict[str, DataProto], metrics:
             metrics[name]["graft/admitted"] = 0.0
             metrics[name]["graft/dropped"] = 0.0
         batch.batch[K.GRAFT_WEIGHT] = weight
-
-
-def graft_advantages(batches: dict[str, DataProto]) -> AgentMetrics:
-    """G2: every row's advantage is its generating agent's GRPO advantage on its own full group."""
-    metrics = {}
-    for name, batch in batches.items():
-        adv = batch.batch[K.GROUP_ADVANTAGE]
-        mask = batch.batch["response_mask"]
-        batch.batch["advantages"] = adv.float().unsqueeze(-1) * mask
-        batch.batch["returns"] = batch.batch["advantages"]
-        metrics[name] = {"advantage/mean": float(adv.mean()), "advantage/abs_mean": float(adv.abs().mean())}
-    return metrics
 
 
 def replay_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict[str, DataProto], AgentMetrics]:
@@ -243,6 +220,7 @@ class Graft(Method):
 
     metric_groups = ("graft/",)
     objective = GRAFT_OBJECTIVE
+    batch_fields = GRAFT_FIELDS
 
     def validate(self, specs: list["AgentSpec"], settings: "HacpoSettings", gpus: dict[str, int]) -> None:
         """Every group must have the same size n (a grafted group replaces a whole group, and the
@@ -271,10 +249,17 @@ class Graft(Method):
         return graft_exchange(ctx, rollouts)
 
     def advantages(self, ctx: StepContext, batches: dict[str, DataProto]) -> AgentMetrics:
-        return graft_advantages(batches)
+        return advantages_from_groups(batches)
 
-    def peer_order(self, settings: "HacpoSettings") -> str | None:
-        return settings.graft_order
+    def mini_batch_order(self, settings: "HacpoSettings", uid: np.ndarray, is_cross: np.ndarray, *,
+                         mini_batch_prompts: int, dp_size: int, seed: int) -> np.ndarray:
+        """G5: every group is own or one source's whole group; the grafted groups' mini-batches train
+        last (or first, or mixed: `graft_order`)."""
+        return graft_mini_batch_order(uid, is_cross, peer_order=settings.graft_order,
+                                      mini_batch_prompts=mini_batch_prompts, dp_size=dp_size, seed=seed)
+
+    def replay_source(self, settings: "HacpoSettings") -> str | None:
+        return settings.replay_peer
 
     def step_metrics(self, update_metrics: dict[str, float]) -> dict[str, float]:
         fraction = peer_clip_fraction(update_metrics)

@@ -21,12 +21,12 @@ import torch
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.core_algos import capability_baseline, capability_ratio, compute_hacpo_advantage, hacpo_policy_loss_matrix
-from recipe_hacpo.graft import graft_selection
+from recipe_hacpo.methods.graft_formulas import graft_selection
 from recipe_hacpo.methods.base import Method
 from recipe_hacpo.methods.context import AgentMetrics, StepContext
-from recipe_hacpo.methods.graft import correct_counts
+from recipe_hacpo.methods.groups import correct_counts
 from recipe_hacpo.methods.rows import concat_rows, tag_rows
-from recipe_hacpo.workers.hacpo_loss import MicroBatch, Objective, PolicyTerm, actor_loss, aggregation_of, clip_ratio
+from recipe_hacpo.methods.objective import MicroBatch, Objective, PolicyTerm, actor_loss, aggregation_of, clip_ratio
 from verl import DataProto
 
 if TYPE_CHECKING:
@@ -160,6 +160,11 @@ def selection_metrics(batch: DataProto, selection: ShareSelection, learner: int)
 class Hacpo(Method):
     """modes hacpo, naive (capability terms off) and isolated (nothing shared, verl's loss)."""
 
+    # share_selection=complementary: which rows train (the advantage's row validity), and their
+    # count over every rank of a mini-batch (the seq-mean's denominator, `hacpo_policy_term`)
+    batch_fields = (K.SELECTED,)
+    global_counts = {K.LOSS_ROWS: K.SELECTED}
+
     def __init__(self, shares: bool = True) -> None:
         self.shares = shares
         self.objective = HACPO_OBJECTIVE if shares else None
@@ -191,7 +196,7 @@ class Hacpo(Method):
                     mine[f"omega/{src.name}"] = omega
             if selection is not None:
                 parts = [mark_selected(p, selection, learner.index) for p in parts]
-            batch = concat_rows(parts)
+            batch = concat_rows(parts, self.batch_fields)
             mine["cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
             if selection is not None:
                 mine.update(selection_metrics(batch, selection, learner.index))

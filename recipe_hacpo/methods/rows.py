@@ -21,10 +21,6 @@ LEARNER_TENSORS = (
 )
 """Tensor keys every learner batch holds."""
 
-LEARNER_TENSORS_IF_SET = (K.GROUP_ADVANTAGE, K.IMITATION_MASK, K.SELECTED)
-"""Tensor keys a method adds to every part of its batches (GRAFT, SGT, the complementary selection)."""
-
-
 def tag_rows(batch: DataProto, *, source: int, cross: bool, omega: float) -> DataProto:
     """Attach the per-row HACPO fields to one agent's rows, as seen by one learner."""
     b = len(batch)
@@ -37,12 +33,13 @@ def tag_rows(batch: DataProto, *, source: int, cross: bool, omega: float) -> Dat
     return batch
 
 
-def concat_rows(parts: list[DataProto]) -> DataProto:
-    """Concatenate own and cross rows on the keys a learner trains on."""
+def concat_rows(parts: list[DataProto], fields: tuple[str, ...] = ()) -> DataProto:
+    """Concatenate own and cross rows on the keys a learner trains on: `LEARNER_TENSORS` and, of
+    the method's own `fields` (`Method.batch_fields`), those the parts carry."""
     trimmed = []
     for p in parts:
         tensors = {k: p.batch[k] for k in LEARNER_TENSORS}
-        tensors.update({k: p.batch[k] for k in LEARNER_TENSORS_IF_SET if k in p.batch.keys()})
+        tensors.update({k: p.batch[k] for k in fields if k in p.batch.keys()})
         non_tensors = {k: p.non_tensor_batch[k] for k in LEARNER_NON_TENSORS if k in p.non_tensor_batch}
         trimmed.append(DataProto.from_dict(tensors=tensors, non_tensors=non_tensors, meta_info=dict(parts[0].meta_info)))
     keys = set.intersection(*(set(t.non_tensor_batch) for t in trimmed))

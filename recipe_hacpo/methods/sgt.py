@@ -6,7 +6,7 @@
     the objective: GRPO on own tokens + λ·NLL of the imitated tokens; the mini-batch layout is
         HACPO's (`minibatch.mini_batch_order`: whole groups of n_R own rows + 1 slot)
 
-The formulas are recipe_hacpo/sgt.py's pure functions; this module wires them into the step.
+The formulas are recipe_hacpo/methods/sgt_formulas.py's pure functions; this module wires them into the step.
 """
 
 from __future__ import annotations
@@ -18,18 +18,22 @@ import numpy as np
 import torch
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.graft import graft_policy_loss_matrix, grpo_advantage
+from recipe_hacpo.methods.graft_formulas import graft_policy_loss_matrix
+from recipe_hacpo.methods.groups import advantages_from_groups, with_group_advantages
 from recipe_hacpo.methods.base import Method
 from recipe_hacpo.methods.context import AgentMetrics, StepContext
-from recipe_hacpo.methods.graft import graft_advantages
 from recipe_hacpo.methods.rows import concat_rows, tag_rows
-from recipe_hacpo.sgt import sgt_selection
-from recipe_hacpo.workers.hacpo_loss import MicroBatch, Objective, PolicyTerm, actor_loss, clip_ratio
+from recipe_hacpo.methods.sgt_formulas import sgt_selection
+from recipe_hacpo.methods.objective import MicroBatch, Objective, PolicyTerm, actor_loss, clip_ratio
 from verl import DataProto
 
 if TYPE_CHECKING:
     from recipe_hacpo.agent_spec import AgentSpec
     from recipe_hacpo.hacpo_settings import HacpoSettings
+
+
+# own rows' GRPO advantage (0 on the slots); each slot's imitated tokens
+SGT_FIELDS = (K.GROUP_ADVANTAGE, K.IMITATION_MASK)
 
 
 def sgt_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict[str, DataProto], AgentMetrics]:
@@ -44,9 +48,7 @@ def sgt_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict
     The draw is keyed on the receiver's `actor.data_loader_seed`, the step and the prompt uid.
     """
     specs, metrics = ctx.specs, ctx.metrics()
-    for name in ctx.names:  # GRPO on each agent's own groups, before anything is exchanged
-        batch = rollouts[name]
-        batch.batch[K.GROUP_ADVANTAGE] = grpo_advantage(batch.batch[K.REWARD], batch.non_tensor_batch["uid"]).float()
+    with_group_advantages(rollouts)  # GRPO on each agent's own groups, before anything is exchanged
     # every agent's rows in agent-index order, then batch order: the pool order of the draw
     source = torch.cat([torch.full((len(rollouts[s.name]),), s.index, dtype=torch.long) for s in specs])
     row = torch.cat([torch.arange(len(rollouts[s.name])) for s in specs])
@@ -67,7 +69,7 @@ def sgt_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict
                 continue
             converted = ctx.convert(src.name, learner.name, rollouts[src.name], row[slot[here]])
             parts.append(_imitation_slots(tag_rows(converted, source=src.index, cross=True, omega=1.0), picks[here] >= 0))
-        batch = concat_rows(parts)
+        batch = concat_rows(parts, SGT_FIELDS)
         batches[learner.name] = batch
         imitated = int((picks >= 0).sum())
         metrics[learner.name].update({
@@ -95,7 +97,7 @@ def _imitation_slots(slots: DataProto, imitated: torch.Tensor) -> DataProto:
 
 def sgt_advantages(batches: dict[str, DataProto]) -> AgentMetrics:
     """GRPO's advantage of every own row (as GRAFT's G2); 0 on the imitation slots."""
-    metrics = graft_advantages(batches)
+    metrics = advantages_from_groups(batches)
     for name, batch in batches.items():
         own = batch.batch[K.GROUP_ADVANTAGE][~batch.batch[K.IS_CROSS]]
         metrics[name].update({"advantage/mean": float(own.mean()), "advantage/abs_mean": float(own.abs().mean())})
@@ -185,6 +187,10 @@ class Sgt(Method):
 
     metric_groups = ("sgt/",)
     objective = SGT_OBJECTIVE
+    # own rows' GRPO advantage; the imitated tokens of each slot, and their count over every rank
+    # of a mini-batch (the NLL's token-mean denominator, `sgt_policy_term`)
+    batch_fields = SGT_FIELDS
+    global_counts = {K.IMITATION_TOKENS: K.IMITATION_MASK}
 
     def rows_per_prompt(self, specs: list["AgentSpec"], learner: "AgentSpec", settings: "HacpoSettings") -> int:
         return learner.rollout_n + 1  # the learner's own group and its imitation slot

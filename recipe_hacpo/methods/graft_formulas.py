@@ -1,4 +1,4 @@
-"""GRAFT, a later cross-model exchange algorithm, at the formula level (SGT's formulas: `recipe_hacpo.sgt`).
+"""GRAFT, a later cross-model exchange algorithm, at the formula level (SGT's formulas: `recipe_hacpo.methods.sgt_formulas`).
 
 Pure torch/numpy (no Ray, no verl import), in the style of `core_algos`: one function per
 mechanism, the formula with the paper's symbols in its docstring, the shape of every argument.
@@ -24,8 +24,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from recipe_hacpo.core_algos import compute_hacpo_advantage, to_accumulation_dtype
+from recipe_hacpo.core_algos import to_accumulation_dtype
 from recipe_hacpo.hacpo_settings import GRAFT_RATIO_LEVELS, PEER_ORDERS
+from recipe_hacpo.methods.groups import grpo_advantage
 from recipe_hacpo.minibatch import check_split, prompt_groups, prompt_permutation, verl_layout
 
 __all__ = [
@@ -153,19 +154,7 @@ def graft_selection(
 # ---------------------------------------------------------------------------------------
 # G2 advantages
 # ---------------------------------------------------------------------------------------
-def grpo_advantage(rewards: torch.Tensor, index: np.ndarray | Sequence, epsilon: float = 1e-6) -> torch.Tensor:
-    """GRPO's outcome advantage Â_i = (R_i − mean_g R) / (std_g R + ε) of one agent's rows, [B].
-
-    Computed on an agent's full group before anything is exchanged or dropped: the receiver's
-    own rows keep theirs, a grafted group carries its source's, held fixed (§9 G2). A group
-    of one row gets μ = 0, σ = 1, a uniform group 0, as in verl's `compute_grpo_outcome_advantage`.
-
-    Args:
-        rewards: R_i, float [B].  index: group id per row (verl's `uid`), [B].
-    """
-    rewards = torch.as_tensor(rewards)
-    one_agent = torch.zeros(rewards.shape[0], dtype=torch.long)
-    return compute_hacpo_advantage(rewards, index, one_agent, 0, [1.0], epsilon=epsilon)
+# grpo_advantage: recipe_hacpo/methods/groups.py (GRAFT's and SGT's shared group helper)
 
 
 # ---------------------------------------------------------------------------------------

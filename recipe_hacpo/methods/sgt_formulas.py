@@ -25,7 +25,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from recipe_hacpo.graft import graft_policy_loss_matrix, token_mean
+from recipe_hacpo.methods.graft_formulas import graft_policy_loss_matrix, token_mean
 from recipe_hacpo.hacpo_settings import DEFAULTS
 
 __all__ = ["sgt_draw", "sgt_selection", "imitation_nll", "compute_sgt_loss"]

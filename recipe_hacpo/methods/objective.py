@@ -1,4 +1,5 @@
-"""The actor loss verl's engine workers call (`set_loss_fn`): one frame for every method.
+"""The loss contract of a method (`Objective`, `MicroBatch`, `PolicyTerm`) and the actor loss
+verl's engine workers call (`set_loss_fn`): one frame for every method.
 
 verl's policy-loss registry passes only (old_log_prob, log_prob, advantages, response_mask,
 loss_agg_mode, config, rollout_is_weights), which cannot carry the methods' per-row fields, so
@@ -9,8 +10,8 @@ and refuses a non-finite loss. It reads from the micro-batch TensorDict:
 
     tensors      response_mask, [ref_log_prob], and the objective's fields (batch_keys)
     non-tensors  hacpo_update_index (set per mini-batch by `HacpoTrainingWorker`),
-                 hacpo_imitation_tokens (mode=sgt, the same),
-                 hacpo_loss_rows (share_selection=complementary, the same: the seq-mean's rows),
+                 the method's global counts (`Method.global_counts`, the same: SGT's
+                 imitated tokens, the complementary selection's rows),
                  dp_size, batch_num_tokens, global_batch_size (set by verl)
 """
 
