@@ -386,17 +386,15 @@ class HacpoTrainer:
 
     # ------------------------------------------------------------------ 4 exchange
     def exchange(self, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
-        """Learner batches from the step's rollouts, as the method builds them: in mode hacpo /
-        naive own rows and every peer's rows in the learner's tokenization (GRAFT's selected ones
-        only with share_selection=complementary), in mode graft per prompt the receiver's own
-        group or one source's whole group, in mode sgt own rows plus one imitation slot per group."""
+        """Learner batches from the step's rollouts, as the method builds them from the step's
+        context (recipe_hacpo/methods/); its per-agent metrics land under agent/<name>/."""
         batches, agent_metrics = self.method.exchange(self.step_context(), rollouts)
         metrics.update(prefixed(agent_metrics))
         return batches
 
     def advantages(self, batches: dict[str, DataProto], metrics: dict) -> None:
         """Every learner row's advantage, as the method defines it (HACPO: §2's capability-aware
-        group advantage; GRAFT and SGT: each source's GRPO advantage on its own group)."""
+        group advantage)."""
         metrics.update(prefixed(self.method.advantages(self.step_context(), batches)))
 
     def step_context(self) -> StepContext:
@@ -770,7 +768,7 @@ def summary_lines(metrics: dict[str, float], step: int, total: int) -> str:
         if omegas:
             fields.append("ω " + ", ".join(omegas))
         if "cross/rows" in m:
-            selected = f" ({int(m['cross/rows_selected'])} selected)" if "cross/rows_selected" in m else ""
-            fields.append(f"cross rows {int(m['cross/rows'])}{selected}")
+            chosen = f" ({int(m['cross/rows_selected'])} selected)" if "cross/rows_selected" in m else ""
+            fields.append(f"cross rows {int(m['cross/rows'])}{chosen}")
         lines.append(f"step {step}/{total} {name}: " + "  ".join(fields))
     return "\n".join(lines)
