@@ -30,6 +30,7 @@ import sys
 import time
 import uuid
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Callable, TypeVar
 
@@ -653,99 +654,140 @@ class HacpoTrainer:
 
         Raises ResumableStop after a stop asked for by a signal or a deadline (preemption.py),
         once a complete checkpoint of the last finished step is published."""
-        from tqdm import tqdm
-
+        run = self._resume()
         t = self.config.trainer
-        resumed = self.load_checkpoint()
-        self.resumed_from = self.global_step
-        saved_step = self.global_step if resumed else None  # newest step with a complete checkpoint
-        self.stop_clock = StopClock(self.preemption, end_time=self._deadline_in_advance())
-        if self.stop_clock.end_time is not None:
-            left = self.stop_clock.end_time - time.time()
-            print(f"hacpo: stopping to be resumed before the deadline in {left:.0f} s", flush=True)
-        latest: dict[str, float] = {}  # newest value of every metric, validation included
         if t.get("val_only", False):  # validate the initial (or resumed) agents, train nothing
-            val = self.validate()
-            self._log(logger, val)
-            tqdm.write(summary_lines(val, self.global_step, self.total_steps))
-            return val
-        if t.get("val_before_train", True) and not resumed:
-            print("hacpo: validating the agents before training", flush=True)
-            val = self.validate()
-            latest.update(val)
-            self._log(logger, val)
-            if summary_every > 0:
-                tqdm.write(summary_lines(latest, self.global_step, self.total_steps))
-        last: dict[str, float] = {}
-        # a bar on a terminal; elsewhere (a Slurm .out, a redirected log) plain lines that no
-        # carriage return rewrites
-        on_terminal = sys.stderr.isatty()
-        bar = tqdm(total=self.total_steps, initial=self.global_step, desc="HACPO", disable=not (progress and on_terminal))
-        if progress and not on_terminal:
-            self.progress_lines = ProgressLines(self.total_steps, self.global_step)
-        finished_state: dict | None = None  # trainer_state() at the end of the last finished step
+            return self._validate_only(logger)
+        if t.get("val_before_train", True) and not run.resumed:
+            self._validate_before_training(logger, run, summary_every)
+        bar = self._progress(progress)
         try:
-            while self.global_step < self.total_steps:
-                batches = iter(self.train_dataloader)
-                while True:
-                    reason = self.stop_clock.stop_before_step(self.stop_signals.first)
-                    if reason is not None:
-                        print(f"hacpo: stopping before step {self.global_step + 1}: {reason}", flush=True)
-                        self._stop_for_resume(reason, saved_step, finished_state)
-                    try:
-                        batch_dict = next(batches)
-                    except StopIteration:
-                        break
-                    self.global_step += 1
-                    self._step_decision = None
-                    start = self._step_started = time.perf_counter()
-                    try:
-                        metrics = self.train_step(batch_dict)
-                    except StepAbandoned as abandoned:
-                        # nothing of the step reached a weight; roll the capability history back
-                        self.global_step -= 1
-                        if finished_state is not None:
-                            self.tracker.load_state_dict(copy.deepcopy(finished_state["tracker"]))
-                        self._stop_for_resume(abandoned.reason, saved_step, finished_state)
-                    finally:
-                        self._step_started = None
-                    metrics["timing_s/step"] = time.perf_counter() - start
-                    self.stop_clock.note_step(metrics["timing_s/step"])
-                    metrics["training/global_step"] = self.global_step
-                    done = self.global_step >= self.total_steps
-                    stopping = self.stop_signals.first is not None
-                    if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or done):
-                        if stopping and not done:
-                            print(f"hacpo: step {self.global_step}: validation skipped, stopping", flush=True)
-                        else:
-                            self._announce("validate")
-                            metrics.update(self.validate())
-                    if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or done):
-                        self._announce("save_checkpoint")
-                        saving = time.perf_counter()
-                        self.save_checkpoint()
-                        self.stop_clock.note_checkpoint(time.perf_counter() - saving)
-                        saved_step = self.global_step
-                    self._announce("step_done")
-                    self._log(logger, metrics)
-                    last = metrics
-                    latest.update(metrics)
-                    bar.update(1)
-                    if self.progress_lines is not None:
-                        self.progress_lines.step_done(self.global_step, metrics["timing_s/step"])
-                    if summary_every > 0 and (self.global_step % summary_every == 0 or done):
-                        bar.write(summary_lines(latest, self.global_step, self.total_steps))
-                    if done:
-                        break
-                    finished_state = self.trainer_state()
-                if self.global_step >= self.total_steps:
+            for batch_dict in self._batches(run):
+                metrics = self._step(batch_dict, run)
+                done = self.global_step >= self.total_steps
+                self._validate_and_save(metrics, run, done)
+                self._announce("step_done")
+                self._log(logger, metrics)
+                run.last = metrics
+                run.latest.update(metrics)
+                self._show_progress(bar, run, summary_every, done)
+                if done:
                     break
+                run.finished_state = self.trainer_state()
         finally:
             bar.close()
             if self.progress_lines is not None:
                 self.progress_lines.close()
             self.verifier.close()
-        return last
+        return run.last
+
+    def _resume(self) -> "_Run":
+        """Load the latest checkpoint (as trainer.resume_mode allows) and set the stop clock."""
+        resumed = self.load_checkpoint()
+        self.resumed_from = self.global_step
+        self.stop_clock = StopClock(self.preemption, end_time=self._deadline_in_advance())
+        if self.stop_clock.end_time is not None:
+            left = self.stop_clock.end_time - time.time()
+            print(f"hacpo: stopping to be resumed before the deadline in {left:.0f} s", flush=True)
+        return _Run(resumed=resumed, saved_step=self.global_step if resumed else None)
+
+    def _validate_only(self, logger) -> dict[str, float]:
+        from tqdm import tqdm
+
+        val = self.validate()
+        self._log(logger, val)
+        tqdm.write(summary_lines(val, self.global_step, self.total_steps))
+        return val
+
+    def _validate_before_training(self, logger, run: "_Run", summary_every: int) -> None:
+        from tqdm import tqdm
+
+        print("hacpo: validating the agents before training", flush=True)
+        val = self.validate()
+        run.latest.update(val)
+        self._log(logger, val)
+        if summary_every > 0:
+            tqdm.write(summary_lines(run.latest, self.global_step, self.total_steps))
+
+    def _progress(self, progress: bool):
+        """A bar on a terminal; elsewhere (a Slurm .out, a redirected log) plain lines that no
+        carriage return rewrites (progress.py)."""
+        from tqdm import tqdm
+
+        on_terminal = sys.stderr.isatty()
+        if progress and not on_terminal:
+            self.progress_lines = ProgressLines(self.total_steps, self.global_step)
+        return tqdm(total=self.total_steps, initial=self.global_step, desc="HACPO", disable=not (progress and on_terminal))
+
+    def _batches(self, run: "_Run"):
+        """The training batches, epoch after epoch, until total_steps; before each one, a stop
+        asked for (a signal, a deadline) stops the run to be resumed (`_stop_for_resume`)."""
+        while self.global_step < self.total_steps:
+            batches = iter(self.train_dataloader)
+            while True:
+                reason = self.stop_clock.stop_before_step(self.stop_signals.first)
+                if reason is not None:
+                    print(f"hacpo: stopping before step {self.global_step + 1}: {reason}", flush=True)
+                    self._stop_for_resume(reason, run.saved_step, run.finished_state)
+                try:
+                    batch_dict = next(batches)
+                except StopIteration:
+                    break
+                yield batch_dict
+
+    def _step(self, batch_dict: dict, run: "_Run") -> dict[str, float]:
+        """One training step, timed; a step abandoned for a stop leaves no trace and stops the run."""
+        self.global_step += 1
+        self._step_decision = None
+        start = self._step_started = time.perf_counter()
+        try:
+            metrics = self.train_step(batch_dict)
+        except StepAbandoned as abandoned:
+            # nothing of the step reached a weight; roll the capability history back
+            self.global_step -= 1
+            if run.finished_state is not None:
+                self.tracker.load_state_dict(copy.deepcopy(run.finished_state["tracker"]))
+            self._stop_for_resume(abandoned.reason, run.saved_step, run.finished_state)
+        finally:
+            self._step_started = None
+        metrics["timing_s/step"] = time.perf_counter() - start
+        self.stop_clock.note_step(metrics["timing_s/step"])
+        metrics["training/global_step"] = self.global_step
+        return metrics
+
+    def _validate_and_save(self, metrics: dict[str, float], run: "_Run", done: bool) -> None:
+        """Validation every trainer.test_freq steps and checkpoints every save_freq, both at the last."""
+        t = self.config.trainer
+        if t.test_freq > 0 and (self.global_step % t.test_freq == 0 or done):
+            if self.stop_signals.first is not None and not done:
+                print(f"hacpo: step {self.global_step}: validation skipped, stopping", flush=True)
+            else:
+                self._announce("validate")
+                metrics.update(self.validate())
+        if t.save_freq > 0 and (self.global_step % t.save_freq == 0 or done):
+            self._announce("save_checkpoint")
+            saving = time.perf_counter()
+            self.save_checkpoint()
+            self.stop_clock.note_checkpoint(time.perf_counter() - saving)
+            run.saved_step = self.global_step
+
+    def _show_progress(self, bar, run: "_Run", summary_every: int, done: bool) -> None:
+        bar.update(1)
+        if self.progress_lines is not None:
+            self.progress_lines.step_done(self.global_step, run.last["timing_s/step"])
+        if summary_every > 0 and (self.global_step % summary_every == 0 or done):
+            bar.write(summary_lines(run.latest, self.global_step, self.total_steps))
+
+
+@dataclass
+class _Run:
+    """What `fit` carries from step to step."""
+
+    resumed: bool
+    saved_step: int | None  # newest step with a complete checkpoint
+    finished_state: dict | None = None  # trainer_state() at the end of the last finished step
+    latest: dict = field(default_factory=dict)  # newest value of every metric, validation included
+    last: dict = field(default_factory=dict)  # the last step's metrics
 
 
 def summary_lines(metrics: dict[str, float], step: int, total: int) -> str:
