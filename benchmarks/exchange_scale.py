@@ -14,8 +14,8 @@ A step is simulated on the driver, from the moment generate returns every agent'
 
     before   score decodes each agent's responses, serially; `--window-s` of GPU phases (old
              log-probs) in which the driver idles; then every (source, learner) pair is converted
-             serially (`RolloutExchange.convert`), as the trainer did with trainer.exchange_workers=0
-    after    the trainer's `ExchangeJobs`: decoding and conversions start at once on background
+             serially (`RowConverter.convert`), as the trainer did with trainer.exchange_workers=0
+    after    the trainer's `ConversionJobs`: decoding and conversions start at once on background
              threads; score waits for the text; the same window passes (a sleep: the driver is free);
              the exchange phase joins every pair and attaches the late per-row fields
 
@@ -43,9 +43,9 @@ sys.path.insert(0, REPO)
 from verl import DataProto  # noqa: E402
 
 from recipe_hacpo import batch_keys as K  # noqa: E402
-from recipe_hacpo.exchange import RolloutExchange, pack_rows  # noqa: E402
-from recipe_hacpo.exchange_jobs import ExchangeJobs  # noqa: E402
-from recipe_hacpo.scoring import decode_responses  # noqa: E402
+from recipe_hacpo.exchange.retokenize import RowConverter, pack_rows  # noqa: E402
+from recipe_hacpo.exchange.jobs import ConversionJobs  # noqa: E402
+from recipe_hacpo.training.scoring import decode_responses  # noqa: E402
 
 KINDS = ("qwen3", "llama3")
 HARD = [
@@ -123,7 +123,7 @@ class Setup:
         self.tokenizer = {name: load_tokenizer(self.kind[name]) for name in self.names}
         self.base = base
         self.all_exchanges = {
-            (s, l): RolloutExchange(self.tokenizer[s], self.tokenizer[l], max_prompt_length=prompt_width,
+            (s, l): RowConverter(self.tokenizer[s], self.tokenizer[l], max_prompt_length=prompt_width,
                                     max_response_length=response_width)
             for s in self.names for l in self.names if s != l
         }
@@ -167,9 +167,9 @@ def step_before(setup: Setup, window_s: float) -> tuple[float, float, dict]:
 
 
 def step_after(setup: Setup, window_s: float, workers: int) -> tuple[tuple[float, float], float, dict]:
-    """The trainer's ExchangeJobs: ((score's wait, exchange phase) seconds, seconds until every pair
+    """The trainer's ConversionJobs: ((score's wait, exchange phase) seconds, seconds until every pair
     was ready, parts)."""
-    jobs = ExchangeJobs(dict(setup.exchanges), decode_responses, workers)
+    jobs = ConversionJobs(dict(setup.exchanges), decode_responses, workers)
     try:
         rollouts_ = setup.fresh_rollouts()
         jobs.begin_step(1)

@@ -34,7 +34,7 @@ class AgentSpec:
     n_gpus_per_node: int
     nnodes: int
     overrides: dict = field(default_factory=dict)
-    # a Ray node resource: the agent's pool goes only to nodes that offer it (recipe_hacpo/placement.py)
+    # a Ray node resource: the agent's pool goes only to nodes that offer it (recipe_hacpo/cluster/placement.py)
     node_resource: str | None = None
 
     @property

@@ -50,7 +50,7 @@ group statistics. Absent under share_selection=all."""
 ROW = "hacpo_row"
 """int64 [B] — the row's position in its learner batch as the trainer built it, set by
 `AgentRuntime.update` before the update order permutes the rows: the loss's per-row record
-(ratio, clip) names rows by it (recipe_hacpo/rollout_log.py)."""
+(ratio, clip) names rows by it (recipe_hacpo/training/rollout_log.py)."""
 
 # non_tensor_batch (numpy object arrays)
 RESPONSE_TEXT = "hacpo_response_text"

@@ -12,10 +12,10 @@ from typing import Sequence
 
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 
-from recipe_hacpo import planner
+from recipe_hacpo.cluster import planner
 from recipe_hacpo.agent_spec import AGENTS_FORM, AgentSpec
 from recipe_hacpo.hacpo_settings import ConfigError, HacpoSettings
-from recipe_hacpo.placement import master_port_ranges
+from recipe_hacpo.cluster.placement import master_port_ranges
 from recipe_hacpo.rollout_check import RolloutCheck
 from recipe_hacpo.workers import sample_tape
 
@@ -147,7 +147,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     master_port_ranges(cfg.trainer.master_port_range, [s.name for s in specs])  # one line if unusable
     _validate_rollout_check(cfg, specs)
     _validate_sample_tapes(cfg, specs, check_paths)
-    from recipe_hacpo.exchange_jobs import exchange_workers
+    from recipe_hacpo.exchange.jobs import exchange_workers
 
     exchange_workers(cfg.trainer.get("exchange_workers"), len(specs))  # one line if not a thread count
     _validate_batches(cfg, specs)
@@ -299,7 +299,7 @@ def _validate_attention(cfg: DictConfig, specs: list[AgentSpec]) -> None:
             if gpu_run and _driver_sees_gpu():
                 problem = flash_attn_problem()
                 if problem:
-                    from recipe_hacpo.preflight import FLASH_ATTN_INSTALL
+                    from recipe_hacpo.wheelhouse import FLASH_ATTN_INSTALL
 
                     raise ConfigError(
                         f"{where}: {ATTN_KEY}={attn}{' (verl default)' if attn == VERL_DEFAULT_ATTN else ''} but flash_attn "
@@ -336,7 +336,7 @@ VLLM_ROLLOUTS = ("vllm",)
 def _validate_gpu_memory(cfg: DictConfig, specs: list[AgentSpec]) -> None:
     """vLLM agents: max_model_len covers prompt + response, and the memory plan fits.
 
-    The plan (recipe_hacpo/planner.py) needs each model's config.json; an agent whose
+    The plan (recipe_hacpo/cluster/planner.py) needs each model's config.json; an agent whose
     config.json is not readable locally is checked only where that needs no shape (shared
     pools demand offload and a bounded sum of gpu_memory_utilization). CPU runs (`hf`
     rollout) are not checked.
@@ -421,7 +421,7 @@ def _validate_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
 
 def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> None:
     """Spec §5: every mini-batch, on every data-parallel rank, holds whole prompt groups with
-    own and cross rows (see recipe_hacpo.minibatch); verl's row shuffle would break the groups."""
+    own and cross rows (see recipe_hacpo.methods.minibatch); verl's row shuffle would break the groups."""
     for s in specs:
         actor = s.section(cfg, "actor")
         if actor.get("shuffle", False):

@@ -91,7 +91,7 @@ def _load_compute_score(reward: str | None = None) -> Callable:
     from omegaconf import OmegaConf
 
     from recipe_hacpo.hacpo_settings import ConfigError
-    from recipe_hacpo.scoring import load_reward_fn
+    from recipe_hacpo.training.scoring import load_reward_fn
 
     path, name = reward.rsplit(":", 1) if ":" in os.path.basename(reward) else (reward, "compute_score")
     cfg = OmegaConf.create({"reward": {"custom_reward_function": {"path": path, "name": name}}})

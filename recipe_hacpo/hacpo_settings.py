@@ -3,7 +3,7 @@ docs/ALGORITHM.md, and the rule its value must follow.
 
 Everything else derives from `HacpoSettings`: the `algorithm.hacpo` node of the YAML config
 (registered with Hydra in `recipe_hacpo/configs/__init__.py`, so no YAML file repeats a
-default), the keyword defaults of `recipe_hacpo.core_algos`, the settings every actor worker's
+default), the keyword defaults of `recipe_hacpo.methods.core_algos`, the settings every actor worker's
 loss receives, and the key table of docs/ALGORITHM.md (`markdown_table`, checked by a test).
 
 `from_dict` is the one validation: the config check before Ray starts and every actor worker

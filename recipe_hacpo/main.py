@@ -33,7 +33,7 @@ def _as_list(files) -> list[str]:
 
 def prepare(cfg: DictConfig):
     """Everything that can be checked without Ray: returns (specs, hacpo settings)."""
-    from recipe_hacpo.scoring import load_reward_fn
+    from recipe_hacpo.training.scoring import load_reward_fn
 
     specs, hacpo = validate(cfg)
     check_data(cfg)
@@ -46,7 +46,7 @@ def check_resume_layout(cfg: DictConfig, specs) -> None:
     """A resume onto another per-agent GPU count fails inside verl's workers, minutes in: name
     both layouts here instead. The checkpoint is the one the trainer will load (or none)."""
     from recipe_hacpo.config import data_parallel_world
-    from recipe_hacpo.reliability import CheckpointError, checkpoint_to_resume, saved_world_size
+    from recipe_hacpo.cluster.reliability import CheckpointError, checkpoint_to_resume, saved_world_size
 
     try:
         path = checkpoint_to_resume(cfg.trainer, [s.name for s in specs]).path
@@ -139,7 +139,7 @@ def plan_only(cfg: DictConfig) -> int:
     Returns the exit status: 0 when every agent fits (or could not be estimated: no local
     config.json), 1 when one does not fit; other configuration errors raise ConfigError.
     """
-    from recipe_hacpo import planner
+    from recipe_hacpo.cluster import planner
     from recipe_hacpo.config import agent_specs
 
     gib = float(cfg.trainer.get("gpu_memory_gib", 80))
@@ -156,11 +156,11 @@ def plan_only(cfg: DictConfig) -> int:
 
 def run(cfg: DictConfig) -> dict:
     """Train; returns the last step's metrics. Raises ResumableStop when a signal or a deadline
-    stopped the run with a complete checkpoint (recipe_hacpo/preemption.py)."""
+    stopped the run with a complete checkpoint (recipe_hacpo/cluster/preemption.py)."""
     import time
 
-    from recipe_hacpo.preemption import RESUMABLE_EXIT, PreemptionSettings, ResumableStop
-    from recipe_hacpo.run_metrics import RunMetrics
+    from recipe_hacpo.cluster.preemption import RESUMABLE_EXIT, PreemptionSettings, ResumableStop
+    from recipe_hacpo.training.run_metrics import RunMetrics
 
     started = time.time()
     verbose = _apply_verbosity(cfg)
@@ -183,8 +183,8 @@ def run(cfg: DictConfig) -> dict:
 def _train(cfg: DictConfig, specs, hacpo, preemption, metrics, started: float) -> dict:
     from verl.utils import hf_tokenizer
 
-    from recipe_hacpo.preemption import StopSignals, shield_children
-    from recipe_hacpo.trainer import HacpoTrainer
+    from recipe_hacpo.cluster.preemption import StopSignals, shield_children
+    from recipe_hacpo.training.trainer import HacpoTrainer
 
     # from here on SIGUSR1 / SIGTERM ask for a stop at the next safe point
     signals = StopSignals(request_file=preemption.request_file).install()
@@ -221,8 +221,8 @@ def _apply_verbosity(cfg: DictConfig) -> bool:
 @hydra.main(config_path="pkg://recipe_hacpo.configs", config_name="hacpo_trainer", version_base=None)
 def main(cfg: DictConfig) -> None:
     from recipe_hacpo.data.schema import DataFormatError
-    from recipe_hacpo.preemption import RESUMABLE_EXIT, ResumableStop
-    from recipe_hacpo.reliability import AgentError, CheckpointError
+    from recipe_hacpo.cluster.preemption import RESUMABLE_EXIT, ResumableStop
+    from recipe_hacpo.cluster.reliability import AgentError, CheckpointError
 
     try:
         if cfg.trainer.get("plan_only", False):

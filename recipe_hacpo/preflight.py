@@ -66,9 +66,6 @@ from dataclasses import asdict, dataclass
 
 # vLLM 0.24.0's PyPI wheel links libcudart.so.13: torch must be the cu130 build, the driver R580+
 TORCH_INDEX_URL = "https://download.pytorch.org/whl/cu130"
-# how flash-attn gets where a GPU run needs it: a prebuilt wheel for the installed torch and CUDA
-# (PyPI has only its source, whose build takes nvcc and 20-30 minutes)
-FLASH_ATTN_INSTALL = "pip install --no-deps <flash_attn-2.8.3-...whl> (docs/INSTALL.md, flash-attn)"
 CUDA_MAJOR = 13
 MIN_DRIVER_MAJOR = 580
 
@@ -149,6 +146,8 @@ def install_problems(*, torch_cuda: str | None, driver: str | None, vllm_install
             except Exception as exc:
                 problems.append(f"vLLM's compiled kernels vllm.{ext} do not load: {_first_line(exc)}")
                 break
+    from recipe_hacpo.wheelhouse import FLASH_ATTN_INSTALL
+
     for module, fix in (("flash_attn", f"{FLASH_ATTN_INSTALL} (or attn_implementation=sdpa)"),
                         ("verl.workers.rollout.vllm_rollout.vllm_async_server", "pip install -e '.[gpu]'")):
         if module.startswith("verl.") and not vllm_installed:
@@ -192,7 +191,7 @@ def loss_check(device: str) -> dict:
     """HACPO loss, bf16 log-probs vs float32 of the same values; own rows vs verl's GSPO in float32."""
     import torch
 
-    from recipe_hacpo.core_algos import hacpo_policy_loss_matrix, seq_mean_token_mean
+    from recipe_hacpo.methods.core_algos import hacpo_policy_loss_matrix, seq_mean_token_mean
 
     g = torch.Generator().manual_seed(0)
     B, T = 16, 3072
@@ -715,7 +714,7 @@ def judge_train(steps_a: dict, steps_b: dict, ckpt_root: str, agents: list[str])
     """What is wrong with runs A (1 step) and B (resumed, 2 steps): the steps each logged, every
     agent's pg_loss and grad_norm in each (finite, and the gradient not 0 at every step: an update
     that moved no weight checks nothing), the two checkpoints. Empty: nothing."""
-    from recipe_hacpo.reliability import checkpoint_problem
+    from recipe_hacpo.cluster.reliability import checkpoint_problem
 
     problems = []
     if sorted(steps_a) != [1]:

@@ -38,6 +38,9 @@ if __package__ in (None, ""):  # run as a file: make the project importable
 from recipe_hacpo.lockfile import TARGET_LINE, canonical, read_lock  # noqa: E402
 
 INSTALL_LIST = "requirements.txt"
+# how flash-attn gets where a GPU run needs it: a prebuilt wheel for the installed torch and CUDA
+# (PyPI has only its source, whose build takes nvcc and 20-30 minutes); docs/INSTALL.md
+FLASH_ATTN_INSTALL = "pip install --no-deps <flash_attn-2.8.3-...whl> (docs/INSTALL.md, flash-attn)"
 _WHEEL = re.compile(r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-(?P<py>[^-]+)-(?P<abi>[^-]+)-(?P<plat>[^-]+)\.whl$")
 _SDIST = re.compile(r"^(?P<name>.+)-(?P<version>[^-]+)\.(tar\.gz|zip|tar\.bz2)$")
 

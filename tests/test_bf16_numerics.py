@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.core_algos import accumulation_dtype, hacpo_policy_loss_matrix, seq_mean_token_mean
+from recipe_hacpo.methods.core_algos import accumulation_dtype, hacpo_policy_loss_matrix, seq_mean_token_mean
 from recipe_hacpo.methods.graft_formulas import compute_graft_policy_loss, token_mean
 from recipe_hacpo.hacpo_settings import HacpoSettings
 from recipe_hacpo.methods.sgt_formulas import compute_sgt_loss
@@ -127,8 +127,8 @@ def _worker_micro_batch(lp, old, mask, is_cross, src, omega, adv, own_only: bool
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
 
-    from recipe_hacpo.agent_runtime import worker_tensordict
-    from recipe_hacpo.exchange import pack_rows
+    from recipe_hacpo.training.agent_runtime import worker_tensordict
+    from recipe_hacpo.exchange.retokenize import pack_rows
 
     lengths = mask.sum(-1).tolist()
     responses = [[7 + (i + t) % 50 for t in range(n)] for i, n in enumerate(lengths)]

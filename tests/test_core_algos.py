@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recipe_hacpo.core_algos import (
+from recipe_hacpo.methods.core_algos import (
     capability_baseline,
     CapabilityTracker,
     capability_ratio,

@@ -22,9 +22,9 @@ from verl.utils.model import compute_position_id_with_mask
 from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
 from recipe_hacpo import batch_keys, tiny_agents
-from recipe_hacpo.exchange import (
+from recipe_hacpo.exchange.retokenize import (
     LAYOUT_KEYS,
-    RolloutExchange,
+    RowConverter,
     attach_response_text,
     attach_source_log_prob_mean,
     decode_responses,
@@ -41,12 +41,12 @@ ANSWERS = ["0123+0456 = 579, so \\boxed{579}", "x = 2 or x = -2", "It is 4."]
 
 @pytest.fixture(scope="module")
 def char_to_pair(char_tokenizer, pair_tokenizer):
-    return RolloutExchange(char_tokenizer, pair_tokenizer, max_prompt_length=128, max_response_length=48)
+    return RowConverter(char_tokenizer, pair_tokenizer, max_prompt_length=128, max_response_length=48)
 
 
 @pytest.fixture(scope="module")
 def pair_to_char(char_tokenizer, pair_tokenizer):
-    return RolloutExchange(pair_tokenizer, char_tokenizer, max_prompt_length=128, max_response_length=48)
+    return RowConverter(pair_tokenizer, char_tokenizer, max_prompt_length=128, max_response_length=48)
 
 
 # ----------------------------------------------------------------------------------------
@@ -113,7 +113,7 @@ def test_stop_flag_from_batch_wins(char_tokenizer, pair_tokenizer, char_to_pair)
 def test_response_truncated_to_learner_limit(char_tokenizer, pair_tokenizer):
     long_answer = "The sum 0123+0456 equals 579 and the product is big."
     src = make_source_batch(char_tokenizer, QUESTIONS[:2], [long_answer, "ok"], response_width=80)
-    ex = RolloutExchange(char_tokenizer, pair_tokenizer, max_prompt_length=128, max_response_length=12)
+    ex = RowConverter(char_tokenizer, pair_tokenizer, max_prompt_length=128, max_response_length=12)
     out = ex(src)
     assert_layout(out, pair_tokenizer.pad_token_id, 128, 12)
     full = pair_tokenizer.encode(long_answer, add_special_tokens=False)
@@ -121,7 +121,7 @@ def test_response_truncated_to_learner_limit(char_tokenizer, pair_tokenizer):
     assert list(out.non_tensor_batch[batch_keys.FINISHED]) == [False, True]
 
     # content fits exactly but the EOS does not: cut, so unfinished
-    exact = RolloutExchange(char_tokenizer, pair_tokenizer, max_prompt_length=128, max_response_length=2)
+    exact = RowConverter(char_tokenizer, pair_tokenizer, max_prompt_length=128, max_response_length=2)
     out = exact(make_source_batch(char_tokenizer, QUESTIONS[:1], ["0123"]))
     assert pair_tokenizer.convert_ids_to_tokens(_valid_response_ids(out, 0)) == ["01", "23"]
     assert list(out.non_tensor_batch[batch_keys.FINISHED]) == [False]
@@ -132,17 +132,17 @@ def test_prompt_overflow_left_truncates_or_raises(char_tokenizer, pair_tokenizer
     full = create_continuous_token_builder(pair_tokenizer, hf_model_type="llama").build_initial_tokens(
         _messages(QUESTIONS[0])
     )
-    left = RolloutExchange(char_tokenizer, pair_tokenizer, max_prompt_length=10, max_response_length=48)
+    left = RowConverter(char_tokenizer, pair_tokenizer, max_prompt_length=10, max_response_length=48)
     out = left(src)
     assert_layout(out, pair_tokenizer.pad_token_id, 10, 48)
     assert _valid_prompt_ids(out, 0) == full[-10:]
-    strict = RolloutExchange(
+    strict = RowConverter(
         char_tokenizer, pair_tokenizer, max_prompt_length=10, max_response_length=48, prompt_overflow="error"
     )
     with pytest.raises(ValueError, match="max_prompt_length"):
         strict(src)
     with pytest.raises(ValueError):
-        RolloutExchange(char_tokenizer, pair_tokenizer, max_prompt_length=10, max_response_length=8, prompt_overflow="x")
+        RowConverter(char_tokenizer, pair_tokenizer, max_prompt_length=10, max_response_length=8, prompt_overflow="x")
 
 
 def test_fields_preserved_row_aligned(char_tokenizer, char_to_pair):
@@ -207,7 +207,7 @@ def _spy_text_calls(tok):
 def test_shared_tokenizer_is_identity(char_tokenizer):
     twin = tiny_agents.build_char_tokenizer()  # a different object with the same content
     src = make_source_batch(char_tokenizer, QUESTIONS, [ANSWERS[0], [5, 6, 7], ANSWERS[2]])
-    ex = RolloutExchange(char_tokenizer, twin, max_prompt_length=P_SRC, max_response_length=R_SRC)
+    ex = RowConverter(char_tokenizer, twin, max_prompt_length=P_SRC, max_response_length=R_SRC)
     assert ex.shared
     patches = _spy_text_calls(char_tokenizer) + _spy_text_calls(twin)
     for p in patches:
@@ -215,7 +215,7 @@ def test_shared_tokenizer_is_identity(char_tokenizer):
     try:
         out = ex(src)
         # different learner widths: re-padded, still without any text
-        narrow = RolloutExchange(char_tokenizer, twin, max_prompt_length=128, max_response_length=9)(src)
+        narrow = RowConverter(char_tokenizer, twin, max_prompt_length=128, max_response_length=9)(src)
     finally:
         for p in reversed(patches):
             p.stop()
@@ -279,7 +279,7 @@ def test_hostile_responses_do_not_crash(char_tokenizer, pair_tokenizer):
         char_tokenizer.encode("🙂", add_special_tokens=False)[:2],  # cut inside a UTF-8 character
     ]
     src = make_source_batch(char_tokenizer, QUESTIONS[:1] * len(responses), responses, response_width=120)
-    out = RolloutExchange(char_tokenizer, pair_tokenizer, max_prompt_length=128, max_response_length=200)(src)
+    out = RowConverter(char_tokenizer, pair_tokenizer, max_prompt_length=128, max_response_length=200)(src)
     assert_layout(out, pair_tokenizer.pad_token_id, 128, 200)
     texts = [pair_tokenizer.decode(_valid_response_ids(out, i), skip_special_tokens=True) for i in range(len(responses))]
     assert texts[:4] == ["", "", "aa", "aa"]
@@ -294,7 +294,7 @@ def test_huge_response_is_bounded(char_tokenizer, pair_tokenizer):
     gen = torch.Generator().manual_seed(0)
     big = torch.randint(0, len(char_tokenizer), (4, 20000), generator=gen).tolist()
     src = make_source_batch(char_tokenizer, QUESTIONS[:1] * 4, big, response_width=20000)
-    ex = RolloutExchange(char_tokenizer, pair_tokenizer, max_prompt_length=128, max_response_length=256)
+    ex = RowConverter(char_tokenizer, pair_tokenizer, max_prompt_length=128, max_response_length=256)
     start = time.perf_counter()
     out = ex(src)
     assert time.perf_counter() - start < 10.0
@@ -328,7 +328,7 @@ def test_property_text_survives(char_to_pair, pair_to_char, char_tokenizer, text
         response_width=200,
         model_type="qwen2" if src_tok is char_tokenizer else "llama",
     )
-    wide = RolloutExchange(src_tok, dst_tok, max_prompt_length=128, max_response_length=400)
+    wide = RowConverter(src_tok, dst_tok, max_prompt_length=128, max_response_length=400)
     out = wide(src)
     assert_layout(out, dst_tok.pad_token_id, 128, 400)
     source_texts = decode_responses(src, src_tok)

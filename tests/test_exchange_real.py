@@ -22,7 +22,7 @@ from helpers.exchange import messages as _messages, valid_prompt_ids as _valid_p
 from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 
 from recipe_hacpo import batch_keys
-from recipe_hacpo.exchange import RolloutExchange, decode_responses, tokenizers_match
+from recipe_hacpo.exchange.retokenize import RowConverter, decode_responses, tokenizers_match
 from recipe_hacpo.real_tokenizers import load_tokenizer
 
 MODEL_TYPE = {"qwen3": "qwen3", "llama3": "llama"}  # config.json's model_type of each family
@@ -58,7 +58,7 @@ def real():
 def _exchange(real, source, learner, **kw):
     """An exchange declared unshared (comparing two 10 MB tokenizers costs seconds; tested once)."""
     kw = {"max_prompt_length": 256, "max_response_length": 512, "shared_tokenizer": False, **kw}
-    return RolloutExchange(real[source], real[learner], **kw)
+    return RowConverter(real[source], real[learner], **kw)
 
 
 def _source_ids(tok, text, finished=True):
@@ -77,7 +77,7 @@ def _nfc(text: str) -> str:
 def test_real_tokenizers_differ(real):
     assert not tokenizers_match(real["qwen3"], real["llama3"])
     assert tokenizers_match(real["qwen3"], load_tokenizer("qwen3"))
-    assert not RolloutExchange(real["qwen3"], real["llama3"], max_prompt_length=8, max_response_length=8).shared
+    assert not RowConverter(real["qwen3"], real["llama3"], max_prompt_length=8, max_response_length=8).shared
 
 
 @pytest.mark.parametrize("source,learner", DIRECTIONS)
@@ -151,7 +151,7 @@ def test_llama_clean_up_does_not_touch_the_exchange(real):
 
     src = make_source_batch(l3, ["q"], [ids + [l3.eos_token_id]], response_width=64, model_type="llama")
     assert decode_responses(src, l3) == [SPACED_PUNCTUATION]
-    out = RolloutExchange(l3, real["qwen3"], max_prompt_length=256, max_response_length=64)(src)
+    out = RowConverter(l3, real["qwen3"], max_prompt_length=256, max_response_length=64)(src)
     assert real["qwen3"].decode(_valid_response_ids(out, 0), skip_special_tokens=True) == SPACED_PUNCTUATION
 
 

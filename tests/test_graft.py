@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from recipe_hacpo.core_algos import capability_baseline, compute_hacpo_advantage
+from recipe_hacpo.methods.core_algos import capability_baseline, compute_hacpo_advantage
 from recipe_hacpo.methods.graft_formulas import (
     assign_sources,
     balanced_selection,

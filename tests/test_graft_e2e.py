@@ -196,7 +196,7 @@ def test_replay_of_a_recorded_peer_trains_one_agent_alone(graft_run, tmp_path, w
     grafted rows are the recorded responses with the recorded source's advantages and log-probs."""
     from verl import DataProto
 
-    from recipe_hacpo.replay import replay_selection, step_file
+    from recipe_hacpo.methods.replay import replay_selection, step_file
 
     recorded_run, records, kinds = graft_run
     names = PAIR_NAMES

@@ -113,7 +113,7 @@ def test_sgt_update_trains_whole_groups_with_their_slot_and_the_imitated_tokens(
     assert metrics["sgt/nll_sum"] / metrics["sgt/nll_tokens"] == pytest.approx(nll, rel=1e-4)
     # the loss of each update is GRPO's + λ · the token-mean NLL over that whole mini-batch (both
     # ranks' imitated tokens in one denominator); its step value is the mean over the 4 updates
-    from recipe_hacpo.minibatch import mini_batch_order
+    from recipe_hacpo.methods.minibatch import mini_batch_order
 
     order = mini_batch_order(batch.non_tensor_batch["uid"], batch.batch[K.IS_CROSS].numpy(), mini_batch_prompts=MINI,
                              dp_size=dp, seed=int(agent_cfg.actor_rollout_ref.actor.data_loader_seed))

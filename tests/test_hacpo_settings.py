@@ -16,7 +16,7 @@ import pytest
 from helpers.compose import compose_config as _compose
 from omegaconf import OmegaConf
 
-from recipe_hacpo import core_algos
+from recipe_hacpo.methods import core_algos
 from recipe_hacpo.config import validate
 from recipe_hacpo.hacpo_settings import (
     DEFAULTS,

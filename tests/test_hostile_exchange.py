@@ -18,9 +18,9 @@ from tensordict import TensorDict
 from verl import DataProto
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.exchange import RolloutExchange, decode_responses
+from recipe_hacpo.exchange.retokenize import RowConverter, decode_responses
 from recipe_hacpo.reward.math_reward import compute_score
-from recipe_hacpo.scoring import Verifier, attach_rewards
+from recipe_hacpo.training.scoring import Verifier, attach_rewards
 
 PROMPT = [{"role": "user", "content": "What is 3+4?"}]
 P_LEARNER, R_LEARNER = 64, 48
@@ -95,7 +95,7 @@ def through_the_step(verifier, src_tok, dst_tok, batch: DataProto):
     """score → attach (text + reward) → re-encode for the learner, as `HacpoTrainer` does."""
     outcome = verifier.score(batch, src_tok)
     attach_rewards(batch, outcome)
-    exchange = RolloutExchange(src_tok, dst_tok, max_prompt_length=P_LEARNER, max_response_length=R_LEARNER)
+    exchange = RowConverter(src_tok, dst_tok, max_prompt_length=P_LEARNER, max_response_length=R_LEARNER)
     return outcome, exchange.convert(batch)
 
 

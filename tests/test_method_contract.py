@@ -24,7 +24,7 @@ from recipe_hacpo.methods import METHODS, Method, method_for
 from recipe_hacpo.methods.context import prefixed
 from recipe_hacpo.methods.objective import Objective, PolicyTerm
 from recipe_hacpo.methods.rows import LEARNER_TENSORS, concat_rows, tag_rows
-from recipe_hacpo.minibatch import prompt_groups, verl_layout
+from recipe_hacpo.methods.minibatch import prompt_groups, verl_layout
 
 TOY = "test_method_contract:ToyShare"
 
@@ -154,7 +154,7 @@ def test_a_method_outside_the_package_is_named_by_import_path():
 def test_the_step_config_and_worker_hold_no_branch_on_the_mode():
     """No comparison with `.mode` in the trainer, config.py, the worker or its loss frame: the
     method decides (the settings module, which defines the modes, is the one place that may)."""
-    for rel in ("recipe_hacpo/trainer.py", "recipe_hacpo/config.py", "workers/hacpo_worker.py", "recipe_hacpo/methods/objective.py"):
+    for rel in ("recipe_hacpo/training/trainer.py", "recipe_hacpo/config.py", "workers/hacpo_worker.py", "recipe_hacpo/methods/objective.py"):
         tree = ast.parse(Path(REPO, rel).read_text())
         compared = [
             node.lineno for node in ast.walk(tree)
@@ -185,14 +185,14 @@ def test_the_runtime_worker_and_config_name_no_method_and_no_method_knows_the_tr
     options) the runtime, the worker and the config ask it for; methods/ never imports the
     trainer, the runtime or workers/."""
     method_words = ("graft", "sgt", "imitation", "selected", "loss_rows", "group_advantage")
-    for rel in ("recipe_hacpo/trainer.py", "recipe_hacpo/agent_runtime.py", "recipe_hacpo/config.py",
+    for rel in ("recipe_hacpo/training/trainer.py", "recipe_hacpo/training/agent_runtime.py", "recipe_hacpo/config.py",
                 *(f"workers/{p.name}" for p in Path(REPO, "workers").glob("*.py"))):
         named = {i for i in _identifiers(Path(REPO, rel)) if any(w in i.lower() for w in method_words)}
         assert not named, f"{rel} names a method's own parts: {sorted(named)}"
     for path in Path(REPO, "recipe_hacpo", "methods").glob("*.py"):
         used = _identifiers(path)
-        assert not {m for m in used if m.startswith(("recipe_hacpo.trainer", "recipe_hacpo.agent_runtime",
-                                                      "recipe_hacpo.workers", "recipe_hacpo.exchange_jobs"))}, path.name
+        assert not {m for m in used if m.startswith(("recipe_hacpo.training.trainer", "recipe_hacpo.training.agent_runtime",
+                                                      "recipe_hacpo.workers", "recipe_hacpo.exchange.jobs"))}, path.name
         assert "trainer" not in {i.lower() for i in used}, f"{path.name} refers to a trainer"
 
 
@@ -216,7 +216,7 @@ def _scored_rollouts(tokenizer, names: list[str]) -> dict:
     (so GRAFT grafts, SGT imitates and the complementary selection selects)."""
     from verl import DataProto
 
-    from recipe_hacpo.exchange import pack_rows
+    from recipe_hacpo.exchange.retokenize import pack_rows
 
     rewards = {0: [0.0, 0.0, 1.0, 0.0], 1: [1.0, 0.0, 0.0, 0.0]}
     out = {}
@@ -247,14 +247,14 @@ def test_every_method_keeps_the_contract_on_a_stand_in_step(mode, char_tokenizer
 
     from helpers.stand_in import stand_in_context
 
-    from recipe_hacpo.exchange import RolloutExchange
+    from recipe_hacpo.exchange.retokenize import RowConverter
 
     names = ["a", "b"]
     raw = {"mode": mode.split("+")[0]}
     if mode.endswith("complementary"):
         raw["share_selection"] = "complementary"
     settings = HacpoSettings.from_dict(raw)
-    converters = {(s, l): RolloutExchange(char_tokenizer, char_tokenizer, max_prompt_length=8, max_response_length=8)
+    converters = {(s, l): RowConverter(char_tokenizer, char_tokenizer, max_prompt_length=8, max_response_length=8)
                   for s in names for l in names}
     ctx = stand_in_context(names, converters, settings=settings, rollout_n=G)
     # GRAFT's extra forward over the grafted rows: the receiver's old log-probs, here −1

@@ -8,7 +8,7 @@ import math
 
 from verl.utils.metric import AggregationType, Metric
 
-from recipe_hacpo.agent_runtime import _step_metrics
+from recipe_hacpo.training.agent_runtime import _step_metrics
 from recipe_hacpo.methods.objective import aggregation_of
 
 

@@ -19,12 +19,12 @@ from verl.utils import tensordict_utils as tu
 from verl.utils.metric import AggregationType, Metric
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.agent_runtime import _record_metrics, _step_metrics
+from recipe_hacpo.training.agent_runtime import _record_metrics, _step_metrics
 from recipe_hacpo.config import AgentSpec
-from recipe_hacpo.core_algos import CapabilityTracker
+from recipe_hacpo.methods.core_algos import CapabilityTracker
 from recipe_hacpo.hacpo_settings import HacpoSettings
-from recipe_hacpo.scoring import Verifier
-from recipe_hacpo.trainer import HacpoTrainer
+from recipe_hacpo.training.scoring import Verifier
+from recipe_hacpo.training.trainer import HacpoTrainer
 
 
 def _trainer(names: list[str], *, shared_pool: bool = False) -> HacpoTrainer:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from recipe_hacpo.minibatch import mini_batch_order
+from recipe_hacpo.methods.minibatch import mini_batch_order
 
 
 def _learner_batch(prompts: int, own: int, cross: int):

@@ -16,8 +16,8 @@ from verl import DataProto
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.config import AgentSpec, HacpoSettings
-from recipe_hacpo.core_algos import CapabilityTracker
-from recipe_hacpo.exchange import RolloutExchange, pack_rows
+from recipe_hacpo.methods.core_algos import CapabilityTracker
+from recipe_hacpo.exchange.retokenize import RowConverter, pack_rows
 
 NAMES = ["strong", "middle", "weak"]
 PROMPTS, G = 3, 2
@@ -59,7 +59,7 @@ def _rollout(tokenizer, source: int, rewards: list[float]) -> DataProto:
 
 
 def test_cross_rows_carry_source_over_learner_capability(tmp_path, char_tokenizer):
-    from recipe_hacpo.trainer import HacpoTrainer
+    from recipe_hacpo.training.trainer import HacpoTrainer
 
     t = object.__new__(HacpoTrainer)
     t.specs = [AgentSpec(index=i, name=n, model_path="-", rollout_n=G, n_gpus_per_node=1, nnodes=1) for i, n in enumerate(NAMES)]
@@ -70,7 +70,7 @@ def test_cross_rows_carry_source_over_learner_capability(tmp_path, char_tokenize
     t._pool = cf.ThreadPoolExecutor(1)
     t.tracker = CapabilityTracker(len(NAMES))
     t.converters = {
-        (s, k): RolloutExchange(char_tokenizer, char_tokenizer, max_prompt_length=8, max_response_length=8)
+        (s, k): RowConverter(char_tokenizer, char_tokenizer, max_prompt_length=8, max_response_length=8)
         for s in NAMES for k in NAMES
     }
     # step mean rewards 5/6, 3/6, 1/6: three distinct capabilities, so ω ≠ 1/ω for every pair

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe_hacpo import placement
+from recipe_hacpo.cluster import placement
 from recipe_hacpo.config import agent_specs, agents_overrides
 from helpers.compose import compose_config as _compose
 

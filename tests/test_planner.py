@@ -1,6 +1,6 @@
-"""GPU memory plan (recipe_hacpo/planner.py) and the memory checks `config.validate` runs
+"""GPU memory plan (recipe_hacpo/cluster/planner.py) and the memory checks `config.validate` runs
 before Ray, on the real shapes of the presets' models (tests/fixtures/model_shapes/*/config.json
-and the figures shipped in recipe_hacpo/model_specs.json, both from the public config.json files)."""
+and the figures shipped in recipe_hacpo/cluster/model_specs.json, both from the public config.json files)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from recipe_hacpo import planner
+from recipe_hacpo.cluster import planner
 from recipe_hacpo.config import ConfigError, agent_specs, validate
 from helpers.compose import compose_config as _compose
 
@@ -93,7 +93,7 @@ def test_every_preset_is_planned_and_fits_without_download(preset):
             assert bool(p.lora_rank) == ("_lora" in preset)
     text = planner.format_plan(plans, gib)
     assert text.count("    fits") == len(plans) and "DOES NOT FIT" not in text
-    assert text.count("not on disk: figures shipped in recipe_hacpo/model_specs.json") == len(plans)
+    assert text.count("not on disk: figures shipped in recipe_hacpo/cluster/model_specs.json") == len(plans)
     # from the models' config.json on disk: the same figures
     on_disk = _compose(preset, _local_models(preset))
     disk_plans = planner.plan(on_disk, agent_specs(on_disk))
@@ -238,7 +238,7 @@ def test_plan_only_without_local_models_refuses_vllm_at_5_percent_for_the_8b_mod
     proc = _plan_only("pair_qwen3-4b-base_qwen3-8b-base",
                       ["++agents.qwen3_8b_base.actor_rollout_ref.rollout.gpu_memory_utilization=0.05"], tmp_path)
     assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.count("not on disk: figures shipped in recipe_hacpo/model_specs.json") == 2
+    assert proc.stdout.count("not on disk: figures shipped in recipe_hacpo/cluster/model_specs.json") == 2
     assert proc.stdout.count("    fits") == 1  # the 4B agent, at the preset's 0.5
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [

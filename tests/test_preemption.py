@@ -1,4 +1,4 @@
-"""Stopping to be resumed (recipe_hacpo/preemption.py): the finish-or-abandon and deadline rules,
+"""Stopping to be resumed (recipe_hacpo/cluster/preemption.py): the finish-or-abandon and deadline rules,
 the settings, Slurm's end time, the signal handlers and the shield that keeps a local Ray's
 processes from dying of SIGUSR1; the trainer's loop with stand-in agents (no Ray); and one run
 end to end: SIGUSR1 to its whole process group mid-step, a SIGTERM during the checkpoint write,
@@ -21,8 +21,8 @@ from omegaconf import OmegaConf
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from recipe_hacpo.config import AgentSpec, ConfigError
-from recipe_hacpo.core_algos import CapabilityTracker
-from recipe_hacpo.preemption import (
+from recipe_hacpo.methods.core_algos import CapabilityTracker
+from recipe_hacpo.cluster.preemption import (
     RESUMABLE_EXIT,
     PreemptionSettings,
     ResumableStop,
@@ -31,7 +31,7 @@ from recipe_hacpo.preemption import (
     parse_slurm_time,
     slurm_end_time,
 )
-from recipe_hacpo.reliability import LATEST_FILE, STATE_FILE, checkpoint_problem, find_resume_checkpoint
+from recipe_hacpo.cluster.reliability import LATEST_FILE, STATE_FILE, checkpoint_problem, find_resume_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ["qwen_char", "llama_pair"]
@@ -185,7 +185,7 @@ def test_a_stop_request_left_as_a_file_counts_as_a_sigusr1_once_the_handlers_are
 SHIELD_PROBE = """
 import os, signal, subprocess, sys, time
 sys.path.insert(0, sys.argv[1])
-from recipe_hacpo.preemption import StopSignals, shield_children
+from recipe_hacpo.cluster.preemption import StopSignals, shield_children
 signals = StopSignals().install()
 with shield_children():
     shielded = subprocess.Popen(["sleep", "30"])
@@ -234,7 +234,7 @@ class Logger:
 def stub_trainer(root: str, on_phase=None, total_steps: int = 6, save_freq: int = 100, **preemption):
     """A HacpoTrainer whose step runs the phase boundaries only: the capability history is
     updated before `exchange` (as the real step does), the weights in `update_actor`."""
-    from recipe_hacpo.trainer import HacpoTrainer
+    from recipe_hacpo.training.trainer import HacpoTrainer
 
     class Stub(HacpoTrainer):
         def train_step(self, batch_dict):
@@ -566,7 +566,7 @@ def test_e2e_sigusr1_to_the_process_group_mid_step_then_sigterm_mid_checkpoint_e
     assert "hacpo: stopped to be resumed at step 1: " in text
     # the checkpoint of step 1 is complete and latest; nothing of step 2 was saved or logged
     assert open(os.path.join(ckpt, LATEST_FILE)).read().strip() == "1"
-    # beside the checkpoints: the run's TensorBoard files (recipe_hacpo/run_metrics.py)
+    # beside the checkpoints: the run's TensorBoard files (recipe_hacpo/training/run_metrics.py)
     assert sorted(os.listdir(ckpt)) == ["global_step_1", LATEST_FILE, "tensorboard"]
     assert checkpoint_problem(os.path.join(ckpt, "global_step_1"), NAMES) is None
     assert sorted(_steps(out)) == [1]

@@ -104,7 +104,7 @@ def test_train_phase_two_agents_step_checkpoint_resume_on_cpu(tmp_path):
 
 def test_judge_train_finds_what_a_broken_run_leaves(tmp_path):
     """A run B that started over (no resume), a NaN loss, a checkpoint without an agent: each named."""
-    from recipe_hacpo.reliability import STATE_FILE
+    from recipe_hacpo.cluster.reliability import STATE_FILE
 
     agents = ["qwen_char", "llama_pair"]
     ok = {f"agent/{a}/actor/{k}": 0.1 for a in agents for k in ("pg_loss", "grad_norm")}
@@ -212,7 +212,7 @@ def test_train_overrides_on_a_gpu_give_the_second_agent_offload_policy():
 
 def test_loss_check_fails_when_the_loss_accumulates_in_bf16(monkeypatch):
     """Negative control: with the accumulation dtype forced to the input's, the check fails."""
-    import recipe_hacpo.core_algos as ca
+    import recipe_hacpo.methods.core_algos as ca
 
     monkeypatch.setattr(ca, "to_accumulation_dtype", lambda x: x)
     verdict = preflight.phase_loss()

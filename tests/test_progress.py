@@ -1,4 +1,4 @@
-"""Progress a log file can hold (recipe_hacpo/progress.py): a long phase says so once it has run
+"""Progress a log file can hold (recipe_hacpo/training/progress.py): a long phase says so once it has run
 `after_s` and then every `every_s`; each finished step is one line with elapsed time and ETA."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import time
 
-from recipe_hacpo.progress import ProgressLines
+from recipe_hacpo.training.progress import ProgressLines
 
 
 def test_long_phases_and_finished_steps_are_plain_lines():

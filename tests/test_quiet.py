@@ -10,8 +10,8 @@ import sys
 
 from omegaconf import OmegaConf
 
-from recipe_hacpo.run_metrics import backends as logger_backends
-from recipe_hacpo.trainer import summary_lines
+from recipe_hacpo.training.run_metrics import backends as logger_backends
+from recipe_hacpo.training.trainer import summary_lines
 
 # A fresh interpreter, as a Ray worker is: `import verl` loads the plugin, then the two verl
 # code paths that emit the known messages run.

@@ -25,8 +25,8 @@ from verl import DataProto
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.config import AgentSpec, agents_overrides
-from recipe_hacpo.core_algos import CapabilityTracker
-from recipe_hacpo.reliability import (
+from recipe_hacpo.methods.core_algos import CapabilityTracker
+from recipe_hacpo.cluster.reliability import (
     LATEST_FILE,
     STATE_FILE,
     AgentError,
@@ -39,7 +39,7 @@ from recipe_hacpo.reliability import (
     describe_failure,
     find_resume_checkpoint,
 )
-from recipe_hacpo.scoring import Verifier
+from recipe_hacpo.training.scoring import Verifier
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ["qwen_char", "llama_pair"]
@@ -68,7 +68,7 @@ class StubAgent:
 
 
 def make_trainer(root: str, resume_mode: str = "auto", resume_from_path: str | None = None, fail: str | None = None):
-    from recipe_hacpo.trainer import HacpoTrainer
+    from recipe_hacpo.training.trainer import HacpoTrainer
 
     trainer = object.__new__(HacpoTrainer)  # no Ray: only the checkpoint state is exercised
     trainer.config = OmegaConf.create(
@@ -173,7 +173,7 @@ def test_retention_keeps_the_newest_complete_checkpoints_and_a_kill_while_prunin
     and a kill while a checkpoint is being deleted leaves nothing a resume could take for one."""
     import shutil
 
-    from recipe_hacpo import reliability
+    from recipe_hacpo.cluster import reliability
 
     root = str(tmp_path)
 
@@ -359,7 +359,7 @@ def test_trainer_phases_stop_on_nonfinite_with_agent_name():
     import concurrent.futures as cf
 
     from recipe_hacpo.config import HacpoSettings
-    from recipe_hacpo.trainer import HacpoTrainer
+    from recipe_hacpo.training.trainer import HacpoTrainer
 
     t = object.__new__(HacpoTrainer)
     t.specs = [AgentSpec(index=i, name=n, model_path="-", rollout_n=2, n_gpus_per_node=1, nnodes=1) for i, n in enumerate(NAMES)]
@@ -405,7 +405,7 @@ def test_each_names_the_agent_whose_worker_died():
 
     from ray.exceptions import ActorDiedError, RayTaskError
 
-    from recipe_hacpo.trainer import HacpoTrainer
+    from recipe_hacpo.training.trainer import HacpoTrainer
 
     t = object.__new__(HacpoTrainer)
     t.agents = {n: SimpleNamespace(spec=SimpleNamespace(name=n, uses_shared_pool=(n == "qwen_char"))) for n in NAMES}
@@ -541,7 +541,7 @@ def test_verifier_counts_errors_timeouts_nonfinite_and_goes_on(char_tokenizer):
 
 
 def test_trainer_score_reports_reward_failures_per_agent(char_tokenizer, pair_tokenizer):
-    from recipe_hacpo.trainer import HacpoTrainer
+    from recipe_hacpo.training.trainer import HacpoTrainer
 
     def reward(data_source, solution_str, ground_truth, extra_info=None):
         if "9" in solution_str:

@@ -1,4 +1,4 @@
-"""GRAFT against a recorded peer (recipe_hacpo/replay.py), without Ray: the one-direction selection by
+"""GRAFT against a recorded peer (recipe_hacpo/methods/replay.py), without Ray: the one-direction selection by
 hand, the prompt check, the recording's files, and the config checks before anything starts. The
 run end to end is `test_graft_e2e.py::test_replay_of_a_recorded_peer_trains_one_agent_alone`."""
 
@@ -16,7 +16,7 @@ from helpers.compose import first_agent_only as _first_agent_only
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.config import ConfigError, validate
 from recipe_hacpo.methods.graft_formulas import graft_selection
-from recipe_hacpo.replay import (
+from recipe_hacpo.methods.replay import (
     MANIFEST,
     RecordedPeer,
     check_same_prompts,
@@ -78,7 +78,7 @@ def test_recording_writes_each_agents_step_and_its_manifest(tmp_path):
     peer = RecordedPeer.__new__(RecordedPeer)  # a missing step names its file, before any update
     peer.dir = str(tmp_path / "a")
     with pytest.raises(FileNotFoundError, match=r"replay_peer: no recording of step 4 \(.*step_4.pkl\)"):
-        peer.rollouts(4, batch, verifier=None)
+        peer.load(4, batch)
 
 
 def test_replay_is_checked_before_anything_starts(tmp_path, demo_overrides):

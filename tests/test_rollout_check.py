@@ -12,7 +12,7 @@ import torch
 from omegaconf import OmegaConf
 
 from recipe_hacpo.config import ConfigError, validate
-from recipe_hacpo.reliability import RolloutMismatchError
+from recipe_hacpo.cluster.reliability import RolloutMismatchError
 from recipe_hacpo.rollout_check import (
     ROLLOUT_CHECK_DEFAULTS,
     MismatchStats,
@@ -22,7 +22,7 @@ from recipe_hacpo.rollout_check import (
     precision_of,
     violations,
 )
-from recipe_hacpo.trainer import HacpoTrainer
+from recipe_hacpo.training.trainer import HacpoTrainer
 from verl import DataProto
 from helpers.compose import compose_config
 
@@ -226,7 +226,7 @@ def test_a_withheld_sync_stops_the_run_before_the_update_and_keeps_the_last_chec
     import subprocess
     import sys
 
-    from recipe_hacpo.reliability import LATEST_FILE, checkpoint_problem
+    from recipe_hacpo.cluster.reliability import LATEST_FILE, checkpoint_problem
 
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     out = str(tmp_path)

@@ -1,4 +1,4 @@
-"""Every run keeps its per-step metrics in its own folder (recipe_hacpo/run_metrics.py): the JSONL
+"""Every run keeps its per-step metrics in its own folder (recipe_hacpo/training/run_metrics.py): the JSONL
 file is appended across resumes and holds each step once; a user's own task and reward with a
 paper preset's logger settings end to end, read back with TensorBoard's and wandb's own files."""
 
@@ -14,7 +14,7 @@ import time
 import pytest
 from helpers.e2e import REPO, agent_overrides
 
-from recipe_hacpo.run_metrics import JsonlMetrics
+from recipe_hacpo.training.run_metrics import JsonlMetrics
 
 
 def _lines(path):
@@ -78,8 +78,8 @@ def test_your_own_task_trains_stops_resumes_and_evaluates_and_the_run_folder_kee
     `recipe_hacpo.evaluate --reward` scores the trained agents with the same reward."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from recipe_hacpo.preemption import RESUMABLE_EXIT
-    from recipe_hacpo.run_metrics import WANDB_ID_FILE
+    from recipe_hacpo.cluster.preemption import RESUMABLE_EXIT
+    from recipe_hacpo.training.run_metrics import WANDB_ID_FILE
 
     train, val, reward = last_char_task(tmp_path)
     ckpt, rollouts = tmp_path / "ckpt", tmp_path / "rollouts"
@@ -219,7 +219,7 @@ def test_wandb_offline_continues_one_run_across_a_requeue(tmp_path, monkeypatch)
     metrics folder and logs into the same run."""
     from omegaconf import OmegaConf
 
-    from recipe_hacpo.run_metrics import WANDB_ID_FILE, RunMetrics
+    from recipe_hacpo.training.run_metrics import WANDB_ID_FILE, RunMetrics
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
@@ -249,7 +249,7 @@ def test_an_unknown_backend_is_one_line_before_anything_starts(tmp_path):
     from omegaconf import OmegaConf
 
     from recipe_hacpo.hacpo_settings import ConfigError
-    from recipe_hacpo.run_metrics import RunMetrics
+    from recipe_hacpo.training.run_metrics import RunMetrics
 
     cfg = OmegaConf.create({"trainer": {"logger": ["console", "wandbb"], "summary_every": 0, "metrics_dir": None,
                                         "default_local_dir": str(tmp_path), "project_name": "p", "experiment_name": "e"}})
@@ -264,7 +264,7 @@ def test_the_validation_samples_logged_are_the_ones_verls_trainer_picks():
 
     from verl.trainer.ppo.ray_trainer import RayPPOTrainer
 
-    from recipe_hacpo.run_metrics import chosen_samples
+    from recipe_hacpo.training.run_metrics import chosen_samples
 
     rows = [(f"{a}+{b}=", str(a + b + (a % 3 == 0)), float(a % 3 != 0)) for a in range(9) for b in range(4)]
     picked = {}

@@ -752,7 +752,7 @@ def test_slurm_hands_the_signal_to_the_trainer_and_requeues_only_on_a_stop_reque
     proc, calls = result["out"]
     assert f"hacpo: {signame} received; handing it to the trainer" in proc.stdout
     # the trainer starts with SIGUSR1 ignored until its handlers are in place: a SIGUSR1 is also
-    # left as a file that it reads then (recipe_hacpo/preemption.py::StopSignals)
+    # left as a file that it reads then (recipe_hacpo/cluster/preemption.py::StopSignals)
     request = tmp_path / "logs" / "stop_request"
     trainer = [a for a, _ in calls if "recipe_hacpo.main" in a][0]
     assert f"++trainer.preemption.request_file={request}" in trainer

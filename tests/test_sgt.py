@@ -161,8 +161,8 @@ def _micro_batch(rows: list[tuple[list[int], list[int]]], own_tokens: int, imita
     from verl import DataProto
     from verl.utils import tensordict_utils as tu
 
-    from recipe_hacpo.agent_runtime import worker_tensordict
-    from recipe_hacpo.exchange import pack_rows
+    from recipe_hacpo.training.agent_runtime import worker_tensordict
+    from recipe_hacpo.exchange.retokenize import pack_rows
 
     layout = pack_rows([p for p, _ in rows], [r for _, r in rows], pad_id=0, prompt_width=4, response_width=3)
     n = len(rows)
@@ -242,7 +242,7 @@ def _rollout(tokenizer, name: str):
     """One agent's scored rollout: Q prompts × N responses "<name><row>", own old log-probs."""
     from verl import DataProto
 
-    from recipe_hacpo.exchange import pack_rows
+    from recipe_hacpo.exchange.retokenize import pack_rows
 
     rows = Q * N
     texts = [f"{name}{i}" for i in range(rows)]
@@ -274,11 +274,11 @@ def _context(tokenizers: dict):
     """The step context sgt_exchange reads: the agents, each agent's seed (42), the converters, step 3."""
     from helpers.stand_in import stand_in_context
 
-    from recipe_hacpo.exchange import RolloutExchange
+    from recipe_hacpo.exchange.retokenize import RowConverter
 
     names = list(tokenizers)
     converters = {
-        (s, l): RolloutExchange(tokenizers[s], tokenizers[l], max_prompt_length=32, max_response_length=8)
+        (s, l): RowConverter(tokenizers[s], tokenizers[l], max_prompt_length=32, max_response_length=8)
         for s in names for l in names
     }
     return stand_in_context(names, converters, step=3, rollout_n=N, seed=42)
@@ -331,7 +331,7 @@ def test_learner_batches_hold_own_rows_and_one_imitation_slot_per_prompt(char_to
 def test_learner_batches_go_through_the_mini_batch_layout(char_tokenizer):
     """Whole groups of n own rows + 1 slot in every mini-batch, the slot after its own rows."""
     from recipe_hacpo.methods.sgt import sgt_exchange
-    from recipe_hacpo.minibatch import mini_batch_order
+    from recipe_hacpo.methods.minibatch import mini_batch_order
 
     tokenizers = {"a": char_tokenizer, "b": char_tokenizer}  # same tokenizer: no decode at all
     batches, _ = sgt_exchange(_context(tokenizers), {n: _rollout(t, n) for n, t in tokenizers.items()})

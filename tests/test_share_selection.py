@@ -19,8 +19,8 @@ from verl.workers.engine_workers import TrainingWorker
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.config import AgentSpec
-from recipe_hacpo.core_algos import CapabilityTracker, compute_hacpo_advantage, compute_hacpo_policy_loss
-from recipe_hacpo.exchange import RolloutExchange, pack_rows
+from recipe_hacpo.methods.core_algos import CapabilityTracker, compute_hacpo_advantage, compute_hacpo_policy_loss
+from recipe_hacpo.exchange.retokenize import RowConverter, pack_rows
 from recipe_hacpo.methods.graft_formulas import graft_selection
 from recipe_hacpo.hacpo_settings import HacpoSettings
 
@@ -51,7 +51,7 @@ def _rollout(tokenizer, source: int, rewards: list[float]) -> DataProto:
 
 def _trainer(names: list[str], tokenizer, settings: HacpoSettings):
     """A HacpoTrainer without workers: what exchange and advantages read."""
-    from recipe_hacpo.trainer import HacpoTrainer
+    from recipe_hacpo.training.trainer import HacpoTrainer
 
     t = object.__new__(HacpoTrainer)
     t.specs = [AgentSpec(index=i, name=n, model_path="-", rollout_n=G, n_gpus_per_node=1, nnodes=1)
@@ -62,7 +62,7 @@ def _trainer(names: list[str], tokenizer, settings: HacpoSettings):
     t._pool = cf.ThreadPoolExecutor(1)
     t.tracker = CapabilityTracker(len(names))
     t.converters = {
-        (s, k): RolloutExchange(tokenizer, tokenizer, max_prompt_length=8, max_response_length=8)
+        (s, k): RowConverter(tokenizer, tokenizer, max_prompt_length=8, max_response_length=8)
         for s in names for k in names
     }
     return t
@@ -130,7 +130,7 @@ def test_two_agents_train_only_on_the_peer_rows_of_grafts_selection(char_tokeniz
 
 
 def test_console_summary_shows_the_selected_peer_rows(char_tokenizer):
-    from recipe_hacpo.trainer import summary_lines
+    from recipe_hacpo.training.trainer import summary_lines
 
     _, metrics = _step(["a", "b"], TWO, char_tokenizer, HacpoSettings(share_selection="complementary"))
     assert "cross rows 10 (4 selected)" in summary_lines(metrics, 1, 2).splitlines()[0]
@@ -200,7 +200,7 @@ def test_graft_balance_applies_to_the_share_rule(char_tokenizer, balance, receiv
 
 
 def test_selected_batches_keep_whole_groups_in_every_mini_batch(char_tokenizer):
-    from recipe_hacpo.minibatch import mini_batch_order
+    from recipe_hacpo.methods.minibatch import mini_batch_order
 
     batches, _ = _step(["a", "b"], TWO, char_tokenizer, HacpoSettings(share_selection="complementary"))
     b = batches["a"]
@@ -217,7 +217,7 @@ CONFIG = SimpleNamespace(clip_ratio=0.2, clip_ratio_low=3e-4, clip_ratio_high=4e
 
 def _micro_batch(rows, excluded, g, **non_tensor):
     """One micro-batch as verl's engine hands it to the loss (no-padding layout, global counts)."""
-    from recipe_hacpo.agent_runtime import worker_tensordict
+    from recipe_hacpo.training.agent_runtime import worker_tensordict
 
     layout = pack_rows([p for p, _ in rows], [r for _, r in rows], pad_id=0, prompt_width=4, response_width=3)
     n = len(rows)

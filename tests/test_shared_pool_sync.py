@@ -13,11 +13,11 @@ import torch
 from hydra import compose, initialize_config_module
 from verl import DataProto
 
-from recipe_hacpo import planner
-from recipe_hacpo.agent_runtime import AgentRuntime
+from recipe_hacpo.cluster import planner
+from recipe_hacpo.training.agent_runtime import AgentRuntime
 from recipe_hacpo.config import agent_specs
-from recipe_hacpo.planner import GIB
-from recipe_hacpo.trainer import HacpoTrainer
+from recipe_hacpo.cluster.planner import GIB
+from recipe_hacpo.training.trainer import HacpoTrainer
 
 
 class _Pool:

@@ -243,7 +243,7 @@ def test_scancel_mid_step_then_resubmit_resumes_with_the_uninterrupted_metrics(c
     # way the newest complete checkpoint is one of a finished step, and the script does not
     # requeue a cancelled job
     assert "requeueing job" not in log, log[-3000:]
-    from recipe_hacpo.reliability import LATEST_FILE, checkpoint_problem, find_resume_checkpoint
+    from recipe_hacpo.cluster.reliability import LATEST_FILE, checkpoint_problem, find_resume_checkpoint
 
     latest = int((ckpt / LATEST_FILE).read_text().strip())
     assert latest in (1, 2), latest
@@ -373,7 +373,7 @@ def test_preempted_and_time_limited_job_requeues_itself_and_ends_with_the_uninte
     handed = log.count("hacpo: SIGUSR1 received; handing it to the trainer")
     assert "hacpo: SIGUSR1 received: a stop is already under way; ignored" in log or handed == 1, log[-4000:]
     assert "checkpoint step 2 (this run resumed from step 0)" in log and "requeueing job" in log, log[-4000:]
-    from recipe_hacpo.reliability import LATEST_FILE, checkpoint_problem
+    from recipe_hacpo.cluster.reliability import LATEST_FILE, checkpoint_problem
 
     assert (ckpt / LATEST_FILE).read_text().strip() == "2"
     assert checkpoint_problem(str(ckpt / "global_step_2"), list(NAMES)) is None and not torn.exists()

@@ -45,7 +45,7 @@ def test_every_mini_batch_mixes_own_and_cross_rows_and_m_advances(ray_cluster, t
 
     # the loss's per-row record (trainer.rollout_data_dir): every row once, at its own update,
     # named by its position in the batch the trainer built (before the update order)
-    from recipe_hacpo.rollout_log import row_updates
+    from recipe_hacpo.training.rollout_log import row_updates
 
     updates = row_updates(record)
     assert sorted(updates) == list(range(len(batch)))

@@ -21,8 +21,8 @@ from verl import DataProto
 from verl.utils import tensordict_utils as tu
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.agent_runtime import WORKER_NON_TENSOR_FIELDS, AgentRuntime
-from recipe_hacpo.exchange import pack_rows
+from recipe_hacpo.training.agent_runtime import WORKER_NON_TENSOR_FIELDS, AgentRuntime
+from recipe_hacpo.exchange.retokenize import pack_rows
 from recipe_hacpo.methods.hacpo import hacpo_loss_fields
 from recipe_hacpo.methods.rows import LEARNER_NON_TENSORS, concat_rows, tag_rows
 

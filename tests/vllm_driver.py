@@ -21,7 +21,7 @@ import os
 
 
 def _record_named_actors(path: str) -> None:
-    from recipe_hacpo.trainer import HacpoTrainer
+    from recipe_hacpo.training.trainer import HacpoTrainer
 
     init_workers = HacpoTrainer.init_workers
 
@@ -37,7 +37,7 @@ def _record_named_actors(path: str) -> None:
 
 
 def _freeze_rollout(agent: str) -> None:
-    from recipe_hacpo.agent_runtime import AgentRuntime
+    from recipe_hacpo.training.agent_runtime import AgentRuntime
 
     sync_weights = AgentRuntime.sync_weights
 
@@ -62,7 +62,7 @@ def _hold_rollout(spec: str) -> None:
     import threading
     import time
 
-    from recipe_hacpo.agent_runtime import AgentRuntime
+    from recipe_hacpo.training.agent_runtime import AgentRuntime
 
     step_text, path = spec.split(":", 1)
     held_step = int(step_text)

@@ -61,7 +61,7 @@ class HFGenerator:
 
         # output rows beyond the tokenizer's ids are never sampled, as in training (verl's engine)
         ban_vocab_tail(self.model, self.tokenizer)
-        from recipe_hacpo.exchange import eos_token_ids
+        from recipe_hacpo.exchange.retokenize import eos_token_ids
 
         self.eos = eos_token_ids(model_dir, self.tokenizer)
         pad = self.tokenizer.pad_token_id

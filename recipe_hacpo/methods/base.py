@@ -85,7 +85,7 @@ class Method(ABC):
     def mini_batch_order(self, settings: "HacpoSettings", uid: np.ndarray, is_cross: np.ndarray, *,
                          mini_batch_prompts: int, dp_size: int, seed: int) -> np.ndarray:
         """Permutation [B] that puts a learner batch with cross rows in update order."""
-        from recipe_hacpo.minibatch import mini_batch_order
+        from recipe_hacpo.methods.minibatch import mini_batch_order
 
         return mini_batch_order(uid, is_cross, mini_batch_prompts=mini_batch_prompts, dp_size=dp_size, seed=seed)
 

@@ -1,5 +1,5 @@
 """GRAFT (`algorithm.hacpo.mode=graft`, docs/ALGORITHM.md §9) and its replay of a recorded peer
-(`algorithm.hacpo.replay_peer`, recipe_hacpo/replay.py), as a method of the trainer's step:
+(`algorithm.hacpo.replay_peer`, recipe_hacpo/methods/replay.py), as a method of the trainer's step:
 
     G1  k_M(q) from the verifier's rewards, `graft.graft_selection` → the source of every
         receiver's group (−1: its own)
@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.exchange import mean_log_prob_per_response
+from recipe_hacpo.exchange.retokenize import mean_log_prob_per_response
 from recipe_hacpo.methods.graft_formulas import (
     compatibility_weight,
     graft_mini_batch_order,
@@ -34,7 +34,7 @@ from recipe_hacpo.hacpo_settings import ConfigError
 from recipe_hacpo.methods.base import Method
 from recipe_hacpo.methods.context import AgentMetrics, StepContext
 from recipe_hacpo.methods.rows import concat_rows, tag_rows
-from recipe_hacpo.replay import read_manifest, replay_selection
+from recipe_hacpo.methods.replay import read_manifest, replay_selection
 from recipe_hacpo.methods.objective import MicroBatch, Objective, PolicyTerm, actor_loss, clip_ratio
 from verl import DataProto
 

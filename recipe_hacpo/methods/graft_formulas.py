@@ -24,10 +24,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from recipe_hacpo.core_algos import to_accumulation_dtype
+from recipe_hacpo.methods.core_algos import to_accumulation_dtype
 from recipe_hacpo.hacpo_settings import GRAFT_RATIO_LEVELS, PEER_ORDERS
 from recipe_hacpo.methods.groups import grpo_advantage
-from recipe_hacpo.minibatch import check_split, prompt_groups, prompt_permutation, verl_layout
+from recipe_hacpo.methods.minibatch import check_split, prompt_groups, prompt_permutation, verl_layout
 
 __all__ = [
     "GRAFT_RATIO_LEVELS",
@@ -342,7 +342,7 @@ def graft_mini_batch_order(
     ids), then laid out own-first ("last", GRAFT), grafted-first ("first", ablation), or all
     shuffled together ("uniform", ablation). The prompt sequence is cut into mini-batches of
     `mini_batch_prompts`, each split over `dp_size` ranks in verl's layout (one contiguous
-    chunk per rank, contiguous mini-batches inside it; see `recipe_hacpo.minibatch`), so
+    chunk per rank, contiguous mini-batches inside it; see `recipe_hacpo.methods.minibatch`), so
     with "last" a mini-batch holding a grafted group never precedes an own-only one on any
     rank, in every epoch (verl replays the same order each epoch with `shuffle=false`).
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.core_algos import compute_hacpo_advantage
+from recipe_hacpo.methods.core_algos import compute_hacpo_advantage
 
 if TYPE_CHECKING:
     from verl import DataProto

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.core_algos import capability_baseline, capability_ratio, compute_hacpo_advantage, hacpo_policy_loss_matrix
+from recipe_hacpo.methods.core_algos import capability_baseline, capability_ratio, compute_hacpo_advantage, hacpo_policy_loss_matrix
 from recipe_hacpo.methods.graft_formulas import graft_selection
 from recipe_hacpo.methods.base import Method
 from recipe_hacpo.methods.context import AgentMetrics, StepContext
@@ -52,7 +52,7 @@ def hacpo_policy_term(mb: MicroBatch) -> PolicyTerm:
     from verl.utils.metric import AggregationType, Metric
 
     padded, hacpo = mb.padded, mb.hacpo
-    # each row's ratio and clip, kept when the rows carry their ids (recipe_hacpo/rollout_log.py)
+    # each row's ratio and clip, kept when the rows carry their ids (recipe_hacpo/training/rollout_log.py)
     per_row = {} if K.ROW in mb.data.keys() else None
     loss_mat, pg_metrics = hacpo_policy_loss_matrix(
         mb.log_prob,

@@ -24,7 +24,7 @@ import torch
 from tensordict import TensorDict
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.core_algos import to_accumulation_dtype
+from recipe_hacpo.methods.core_algos import to_accumulation_dtype
 from recipe_hacpo.hacpo_settings import HacpoSettings
 
 

@@ -18,7 +18,7 @@ from helpers.golden import replay_overrides
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.config import agents_overrides
-from recipe_hacpo.core_algos import compute_hacpo_advantage
+from recipe_hacpo.methods.core_algos import compute_hacpo_advantage
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -11,7 +11,7 @@ from verl import DataProto
 from verl.utils.model import compute_position_id_with_mask
 from verl.utils.tokenizer.continuous_token_wiring import create_continuous_token_builder
 from recipe_hacpo import batch_keys
-from recipe_hacpo.exchange import LAYOUT_KEYS
+from recipe_hacpo.exchange.retokenize import LAYOUT_KEYS
 
 P_SRC, R_SRC = 48, 40  # the source batch's prompt and response widths
 

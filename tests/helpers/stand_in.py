@@ -31,8 +31,8 @@ def stand_in_trainer(names: Sequence[str] = (), *, specs: list | None = None, se
     """A HacpoTrainer (or `cls`, a subclass) assembled without __init__: its specs (from `names`),
     `algorithm.hacpo` and its effective form, a capability tracker, step 1, a thread pool per
     agent, stand-in agents that hold only their spec; `attrs` are set on top."""
-    from recipe_hacpo.core_algos import CapabilityTracker
-    from recipe_hacpo.trainer import HacpoTrainer
+    from recipe_hacpo.methods.core_algos import CapabilityTracker
+    from recipe_hacpo.training.trainer import HacpoTrainer
 
     t = object.__new__(cls or HacpoTrainer)
     t.specs = specs if specs is not None else specs_of(names, rollout_n, shared_pool)
@@ -50,7 +50,7 @@ def stand_in_trainer(names: Sequence[str] = (), *, specs: list | None = None, se
 
 def stand_in_context(names: Sequence[str], converters: dict, *, settings: HacpoSettings | None = None, step: int = 1,
                      rollout_n: int = 2, seed: int = 42, capabilities: torch.Tensor | None = None) -> StepContext:
-    """The StepContext of one step over `converters` ({(source, learner): RolloutExchange}),
+    """The StepContext of one step over `converters` ({(source, learner): RowConverter}),
     converting serially as `trainer.exchange_workers=0` does; no old log-probs, no recorded peer."""
     settings = settings or HacpoSettings()
     specs = specs_of(names, rollout_n)

@@ -45,7 +45,7 @@ def learner_batch(tokenizer, seed: int = 0):
     """[own rows; cross rows] as the trainer builds it: prompt-major blocks, one uid per prompt."""
     from verl import DataProto
 
-    from recipe_hacpo.exchange import pack_rows
+    from recipe_hacpo.exchange.retokenize import pack_rows
 
     g = torch.Generator().manual_seed(seed)
     vocab = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
@@ -92,7 +92,7 @@ def agent_runtime(agent_cfg, spec, hacpo):
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.utils import hf_tokenizer
 
-    from recipe_hacpo.agent_runtime import AgentRuntime
+    from recipe_hacpo.training.agent_runtime import AgentRuntime
     from recipe_hacpo.workers.hacpo_worker import HacpoActorRolloutRefWorker
 
     _set_total_steps(agent_cfg)

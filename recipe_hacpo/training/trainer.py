@@ -8,7 +8,7 @@
           capabilities    P̂ update with this step's mean rewards (§1)
         4 exchange        learner batch = own rows + peers' rows re-tokenized for the learner
                           (the token work started in the background as each agent's rollouts
-                          returned, exchange_jobs.py; this phase joins it)
+                          returned, exchange/jobs.py; this phase joins it)
           advantages      capability-aware group advantage per learner (§2)
           update          mini-batch updates with the HACPO loss (§3–§6)
         5 sync_weights    trained weights to each agent's rollout engine
@@ -39,16 +39,16 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.agent_runtime import AgentRuntime
+from recipe_hacpo.training.agent_runtime import AgentRuntime
 from recipe_hacpo.atomic_io import atomic_write_text, replace_dir
 from recipe_hacpo.config import AgentSpec, HacpoSettings, agent_verl_config, rollout_check
-from recipe_hacpo.core_algos import CapabilityTracker
-from recipe_hacpo.exchange import RolloutExchange, mean_log_prob_per_response
-from recipe_hacpo.exchange_jobs import ExchangeJobs, exchange_workers
+from recipe_hacpo.methods.core_algos import CapabilityTracker
+from recipe_hacpo.exchange.retokenize import RowConverter, mean_log_prob_per_response
+from recipe_hacpo.exchange.jobs import ConversionJobs, exchange_workers
 from recipe_hacpo.methods import Method, method_for
 from recipe_hacpo.methods.context import RecordedRows, StepContext, prefixed
-from recipe_hacpo.placement import check_ray_cluster, make_pool, master_port_ranges, request_for
-from recipe_hacpo.reliability import (
+from recipe_hacpo.cluster.placement import check_ray_cluster, make_pool, master_port_ranges, request_for
+from recipe_hacpo.cluster.reliability import (
     LATEST_FILE,
     STATE_FILE,
     AgentError,
@@ -60,10 +60,10 @@ from recipe_hacpo.reliability import (
     describe_failure,
     prune_checkpoints,
 )
-from recipe_hacpo.progress import ProgressLines
+from recipe_hacpo.training.progress import ProgressLines
 from recipe_hacpo.rollout_check import PATH as ROLLOUT_CHECK_PATH
 from recipe_hacpo.rollout_check import agent_precision, mismatch_message, mismatch_stats, violations
-from recipe_hacpo.preemption import (
+from recipe_hacpo.cluster.preemption import (
     PreemptionSettings,
     ResumableStop,
     StepAbandoned,
@@ -71,18 +71,18 @@ from recipe_hacpo.preemption import (
     StopSignals,
     slurm_end_time,
 )
-from recipe_hacpo.replay import RecordedPeer, record_rollouts
-from recipe_hacpo.rollout_log import rollout_rows, write_rollout_log
-from recipe_hacpo.scoring import Verifier, attach_rewards, decode_responses, load_reward_fn
+from recipe_hacpo.methods.replay import RecordedPeer, record_rollouts
+from recipe_hacpo.training.rollout_log import rollout_rows, write_rollout_log
+from recipe_hacpo.training.scoring import Verifier, attach_rewards, decode_responses, load_reward_fn
 from verl import DataProto
 from verl.utils.profiler.performance import simple_timer
 
 T = TypeVar("T")
 
 class HacpoTrainer:
-    # the background conversions (exchange_jobs.py); None: every conversion runs in the exchange
+    # the background conversions (exchange/jobs.py); None: every conversion runs in the exchange
     # phase (trainer.exchange_workers=0, and trainers assembled without init_workers)
-    exchange_jobs: ExchangeJobs | None = None
+    conversion_jobs: ConversionJobs | None = None
     # the recorded agent replayed as a peer (replay.py, the method's `replay_source`); None: live peers
     replay_peer: RecordedPeer | None = None
     # the step in flight, for a stop signal's decision (preemption.py); None between steps and in
@@ -152,7 +152,7 @@ class HacpoTrainer:
                 self.replay_peer.tokenizer, self.replay_peer.eos_token_ids, learner)
         workers = exchange_workers(self.config.trainer.get("exchange_workers"), len(self.specs))
         if workers:
-            self.exchange_jobs = ExchangeJobs(dict(self.converters), decode_responses, workers)
+            self.conversion_jobs = ConversionJobs(dict(self.converters), decode_responses, workers)
 
     def _shared_pool(self):
         if not any(s.uses_shared_pool for s in self.specs):
@@ -160,7 +160,7 @@ class HacpoTrainer:
         # several agents' workers are placed on the same bundles and take turns (placement.py)
         return make_pool(request_for(self.config, self.specs, "shared", self.device_name), self.config, self.device_name)
 
-    def _build_converters(self) -> dict[tuple[str, str], RolloutExchange]:
+    def _build_converters(self) -> dict[tuple[str, str], RowConverter]:
         """One converter per (source, learner) pair; its widths are the learner's rollout limits."""
         return {
             (source.spec.name, learner.spec.name): self._converter(source.tokenizer, source.eos_token_ids, learner)
@@ -168,10 +168,10 @@ class HacpoTrainer:
             for source in self.agents.values()
         }
 
-    def _converter(self, source_tokenizer, source_eos_ids: list[int], learner: AgentRuntime) -> RolloutExchange:
+    def _converter(self, source_tokenizer, source_eos_ids: list[int], learner: AgentRuntime) -> RowConverter:
         rollout = learner.config.actor_rollout_ref.rollout
         template_kwargs = self.config.data.get("apply_chat_template_kwargs")
-        return RolloutExchange(
+        return RowConverter(
             source_tokenizer,
             learner.tokenizer,
             source_eos_ids=source_eos_ids,
@@ -245,7 +245,7 @@ class HacpoTrainer:
 
     @contextmanager
     def _background_exchange(self, timing: dict[str, float]):
-        """The step's background conversions (exchange_jobs.py) around generate … exchange.
+        """The step's background conversions (exchange/jobs.py) around generate … exchange.
 
         On leaving: every job of the step is joined, so a failed conversion the step did not ask
         for still stops it before the update; on a failure, what has not started is cancelled, so
@@ -253,7 +253,7 @@ class HacpoTrainer:
         still waited for; `exchange` is the whole phase) and `exchange_background` (the jobs' own
         seconds, mostly hidden behind scoring and old log-probs).
         """
-        jobs = self.exchange_jobs
+        jobs = self.conversion_jobs
         if jobs is None:
             yield
             return
@@ -310,8 +310,8 @@ class HacpoTrainer:
 
     def _rollouts_ready(self, agent: AgentRuntime, batch: DataProto) -> DataProto:
         """Start, in the background, the decoding of `agent`'s responses and their conversion for
-        every learner that will take them this step (exchange_jobs.py)."""
-        jobs = self.exchange_jobs
+        every learner that will take them this step (exchange/jobs.py)."""
+        jobs = self.conversion_jobs
         if jobs is not None:
             jobs.start(agent.spec.name, batch, self._peer_learners(agent.spec.name), agent.tokenizer)
             if self.replay_peer is not None:  # the recording of this step, checked against these prompts
@@ -325,7 +325,7 @@ class HacpoTrainer:
 
     # ------------------------------------------------------------------ 2 score
     def score(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
-        jobs = self.exchange_jobs
+        jobs = self.conversion_jobs
         for name, batch in rollouts.items():
             # the text decoded in the background as the rollouts returned (the same function)
             texts = jobs.texts(name) if jobs is not None and jobs.started(name) else None
@@ -416,7 +416,7 @@ class HacpoTrainer:
         """`source`'s rows (all, or `rows` of them) in `learner`'s tokenization: from the background
         jobs when they started this source, else converted here and now (the serial path:
         `trainer.exchange_workers=0`, trainers assembled without init_workers)."""
-        jobs = self.exchange_jobs
+        jobs = self.conversion_jobs
         if jobs is not None and jobs.started(source):
             return jobs.convert(source, learner, batch, rows)
         return self.converters[(source, learner)].convert(batch if rows is None else batch.select_idxs(rows))
@@ -429,12 +429,13 @@ class HacpoTrainer:
     def recorded_rows(self, live: DataProto) -> RecordedRows:
         """The recorded peer's rows of this step (replay.py), scored: loaded, checked, decoded and
         converted in the background since the live rollouts returned, or here and now."""
-        peer, jobs = self.replay_peer, self.exchange_jobs
+        peer, jobs = self.replay_peer, self.conversion_jobs
         if jobs is not None and jobs.started(peer.key):
             recorded = jobs.batch(peer.key)
             attach_rewards(recorded, self.verifier.score(recorded, peer.tokenizer, texts=jobs.texts(peer.key)))
         else:
-            recorded = peer.rollouts(self.global_step, live, self.verifier)
+            recorded = peer.load(self.global_step, live)  # checked against the live prompts (R1)
+            attach_rewards(recorded, self.verifier.score(recorded, peer.tokenizer))  # re-scored (R2)
         return RecordedRows(key=peer.key, rollout_n=peer.rollout_n, batch=recorded)
 
     def ref_log_probs(self, batches: dict[str, DataProto]) -> None:

@@ -1,6 +1,6 @@
 """The exchange off the step's critical path: conversions start as each source's rollouts arrive.
 
-Re-tokenizing a peer's rows (`RolloutExchange`) needs only the source's token tensors, its chat
+Re-tokenizing a peer's rows (`RowConverter`) needs only the source's token tensors, its chat
 messages and its response text; the per-row values the trainer adds later (reward, the source's
 mean log-prob and response length, HACPO's tags) are 1-D and are attached afterwards by row.
 So the token work of every (source, learner) pair can run while the trainer scores and computes
@@ -8,11 +8,11 @@ old log-probs:
 
     generate       as each agent's rollouts return, `start(source, rollouts)` submits
                    the decoding of its response text (the text scoring reads) and then
-                   `RolloutExchange.prepare` for every learner, on background threads
+                   `RowConverter.prepare` for every learner, on background threads
     score          `texts(source)`: that decoded text, instead of decoding again
     old log-probs  (conversions run meanwhile)
     exchange       `convert(source, learner, rollouts[, rows])` waits for the pair (the wait is
-                   `timing_s/exchange_wait`), then `RolloutExchange.finish` attaches every
+                   `timing_s/exchange_wait`), then `RowConverter.finish` attaches every
                    per-row field the source batch holds at that moment, exactly as a serial
                    `convert` at that point would
 
@@ -29,7 +29,7 @@ template resets for prompts) are shared state, so every job holds the lock of th
 it uses. Pairs therefore run in parallel across learners (and decoding across sources), in turn
 for one learner.
 
-A failed job names its pair (or source) in one line (`ExchangeJobError`) when it is joined,
+A failed job names its pair (or source) in one line (`ConversionJobError`) when it is joined,
 and `check()` at the end of the exchange phase raises any failure of a pair the step did not
 ask for, so every failure stops the step before the update.
 """
@@ -47,15 +47,15 @@ import numpy as np
 import torch
 from verl import DataProto
 
-from recipe_hacpo.exchange import Prepared, RolloutExchange
+from recipe_hacpo.exchange.retokenize import Prepared, RowConverter
 
 _READ_TENSORS = ("prompts", "responses", "response_mask", "attention_mask", "input_ids", "position_ids")
-"""The source tensors `RolloutExchange.prepare` reads (the shared path copies all six layout keys),
+"""The source tensors `RowConverter.prepare` reads (the shared path copies all six layout keys),
 which `convert` checks are unchanged."""
 _READ_NON_TENSOR = ("raw_prompt",)
 
 
-class ExchangeJobError(RuntimeError):
+class ConversionJobError(RuntimeError):
     """A background conversion failed or its input changed; the message is one line naming it."""
 
 
@@ -98,7 +98,7 @@ class _Source:
     checked: bool = False
 
 
-class ExchangeJobs:
+class ConversionJobs:
     """The background conversions of the current step, one thread pool for the trainer's life.
 
     converters: the trainer's converters, keyed (source, learner).
@@ -109,7 +109,7 @@ class ExchangeJobs:
 
     def __init__(
         self,
-        converters: dict[tuple[str, str], RolloutExchange],
+        converters: dict[tuple[str, str], RowConverter],
         decode: Callable[[DataProto, Any], list[str]],
         workers: int,
     ) -> None:
@@ -201,7 +201,7 @@ class ExchangeJobs:
         with self._guard:
             self._sources[source] = entry
 
-    def _prepare(self, exchange: RolloutExchange, rollouts: cf.Future, texts: cf.Future) -> Prepared:
+    def _prepare(self, exchange: RowConverter, rollouts: cf.Future, texts: cf.Future) -> Prepared:
         batch = rollouts.result()
         if exchange.shared:  # the same tokens, re-laid out: no tokenizer call
             return self._timed(lambda: exchange.prepare(batch))
@@ -219,7 +219,7 @@ class ExchangeJobs:
         try:
             return future.result()
         except Exception as exc:
-            raise ExchangeJobError(f"exchange {what}, step {self.step}: {_one_line(exc)}") from exc
+            raise ConversionJobError(f"exchange {what}, step {self.step}: {_one_line(exc)}") from exc
         finally:
             if counted:
                 self.wait_s += time.perf_counter() - start
@@ -239,17 +239,17 @@ class ExchangeJobs:
         entry = self._sources[source]
         what = f"{source} → {learner}"
         if batch is not self._join(entry.batch, f"loading {source}'s rollouts"):
-            raise ExchangeJobError(f"exchange {what}, step {self.step}: not the rollout batch the conversion started from")
+            raise ConversionJobError(f"exchange {what}, step {self.step}: not the rollout batch the conversion started from")
         if not entry.checked:
             change = _changed(batch, self._join(entry.fingerprint, f"{source}'s inputs"))
             if change is not None:
-                raise ExchangeJobError(
+                raise ConversionJobError(
                     f"exchange {what}, step {self.step}: {source}'s {change} between generate and exchange; "
                     "the background conversion would differ from the serial one"
                 )
             entry.checked = True
         if learner not in entry.pairs:
-            raise ExchangeJobError(f"exchange {what}, step {self.step}: no conversion was started for this pair")
+            raise ConversionJobError(f"exchange {what}, step {self.step}: no conversion was started for this pair")
         prepared: Prepared = self._join(entry.pairs[learner], what)
         exchange = self.converters[(source, learner)]
         if rows is None:
@@ -269,7 +269,7 @@ class ExchangeJobs:
 def exchange_workers(value: Any, agents: int) -> int:
     """`trainer.exchange_workers` as a thread count: null → one per agent (the jobs of one learner
     take turns on its tokenizer, so more threads buy nothing), 0 → none (every conversion runs in
-    the exchange phase, serially, as `RolloutExchange.convert`). ConfigError for anything else."""
+    the exchange phase, serially, as `RowConverter.convert`). ConfigError for anything else."""
     from recipe_hacpo.hacpo_settings import ConfigError
 
     if value is None:
@@ -282,4 +282,4 @@ def exchange_workers(value: Any, agents: int) -> int:
     return int(value)
 
 
-__all__ = ["ExchangeJobs", "ExchangeJobError", "exchange_workers"]
+__all__ = ["ConversionJobs", "ConversionJobError", "exchange_workers"]

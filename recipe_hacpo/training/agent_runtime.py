@@ -23,8 +23,8 @@ from tensordict import TensorDict
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.agent_spec import AgentSpec
 from recipe_hacpo.hacpo_settings import HacpoSettings
-from recipe_hacpo.exchange import eos_token_ids
-from recipe_hacpo.placement import make_pool, request_for
+from recipe_hacpo.exchange.retokenize import eos_token_ids
+from recipe_hacpo.cluster.placement import make_pool, request_for
 from recipe_hacpo.methods.objective import aggregation_of
 from verl import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -208,7 +208,7 @@ class AgentRuntime:
         `order` is the method's rule (`Method.mini_batch_order`: GRAFT puts the grafted groups'
         mini-batches last, or first, or mixed); None: `minibatch.mini_batch_order`.
         """
-        from recipe_hacpo.minibatch import mini_batch_order
+        from recipe_hacpo.methods.minibatch import mini_batch_order
 
         actor = self.config.actor_rollout_ref.actor
         mini_prompts = int(actor.ppo_mini_batch_size)
@@ -259,7 +259,7 @@ class AgentRuntime:
 
         On a shared pool this keeps one replica awake at a time: a replica left awake after
         the step's sync would hold its vLLM share while the next agent syncs (for a LoRA agent
-        verl stages the whole merged model on the GPU then), see recipe_hacpo/planner.py."""
+        verl stages the whole merged model on the GPU then), see recipe_hacpo/cluster/planner.py."""
         if self._rollout_awake:
             self.checkpoint_manager.sleep_replicas()
             self._rollout_awake = False

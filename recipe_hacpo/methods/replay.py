@@ -34,7 +34,6 @@ import torch
 from recipe_hacpo.atomic_io import atomic_write_json, fsync_dir
 from recipe_hacpo.methods.graft_formulas import complementary_candidates
 from recipe_hacpo.hacpo_settings import ConfigError
-from recipe_hacpo.scoring import attach_rewards
 from verl import DataProto
 
 
@@ -118,7 +117,7 @@ class RecordedPeer:
         from verl.utils import hf_tokenizer
         from verl.utils.fs import copy_to_local
 
-        from recipe_hacpo.exchange import eos_token_ids
+        from recipe_hacpo.exchange.retokenize import eos_token_ids
 
         self.dir = agent_dir
         manifest = read_manifest(agent_dir)
@@ -138,8 +137,3 @@ class RecordedPeer:
         check_same_prompts(recorded, live, f"algorithm.hacpo.replay_peer, step {step} ({path})")
         return recorded
 
-    def rollouts(self, step: int, live: DataProto, verifier) -> DataProto:
-        """The recording of `step`, checked against the live step's prompts (R1) and re-scored (R2)."""
-        recorded = self.load(step, live)
-        attach_rewards(recorded, verifier.score(recorded, self.tokenizer))
-        return recorded

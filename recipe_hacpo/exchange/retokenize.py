@@ -281,7 +281,7 @@ def _fit_prompt(ids: list[int], limit: int, mode: str, row: int) -> list[int]:
 
 class Prepared(NamedTuple):
     """One batch's learner-side token layout (the six `LAYOUT_KEYS`) and its FINISHED (bool [B]),
-    before the per-row fields are attached (`RolloutExchange.finish`)."""
+    before the per-row fields are attached (`RowConverter.finish`)."""
 
     layout: dict[str, torch.Tensor]
     finished: np.ndarray
@@ -292,7 +292,7 @@ class Prepared(NamedTuple):
         return Prepared({k: v[index] for k, v in self.layout.items()}, self.finished[index.numpy()])
 
 
-class RolloutExchange:
+class RowConverter:
     """Converts rollout batches of one source agent into one learner's tokenization.
 
     Build once per (source, learner) pair: tokenizer comparison and prompt rendering are
@@ -400,7 +400,7 @@ class RolloutExchange:
     def convert(self, batch: DataProto) -> DataProto:
         """The learner-side DataProto for `batch` (a source rollout batch); see module doc.
 
-        Two halves, which `exchange_jobs.ExchangeJobs` runs apart: `prepare` (the token work, from
+        Two halves, which `exchange/jobs.py::ConversionJobs` runs apart: `prepare` (the token work, from
         the token tensors and the text only) and `finish` (the per-row fields, whatever the batch
         carries by then). `convert(b)` is `finish(b, prepare(b))`.
         """
@@ -507,8 +507,8 @@ def exchange_batch(
     max_response_length: int,
     **kwargs: Any,
 ) -> DataProto:
-    """One-shot `RolloutExchange(...).convert(batch)`; keyword arguments as for `RolloutExchange`."""
-    exchange = RolloutExchange(
+    """One-shot `RowConverter(...).convert(batch)`; keyword arguments as for `RowConverter`."""
+    exchange = RowConverter(
         source_tokenizer,
         learner_tokenizer,
         max_prompt_length=max_prompt_length,

@@ -4,7 +4,7 @@ No GPU, no Ray, no download: the numbers come from the model's shape (layers, he
 heads, head dim, vocabulary, MLP width) and the config's placement, offload and vLLM keys.
 The shape is read from the model's config.json when the model is on disk (a local directory
 or a hub id in the Hugging Face cache); otherwise from the figures shipped in
-`recipe_hacpo/model_specs.json` (the public config.json of every preset's model), and the
+`recipe_hacpo/cluster/model_specs.json` (the public config.json of every preset's model), and the
 plan says which.
 `python -m recipe_hacpo.main ... trainer.plan_only=true` prints the plan; `config.validate`
 uses the same checks to reject a configuration that cannot fit before Ray starts.
@@ -42,7 +42,7 @@ Per GPU of an agent's pool (W GPUs, FSDP shards everything W ways; vLLM tensor p
   every member's resident actor state.
   rollout of agent j: its vLLM share + every member's resident actor state. An agent of its
   own pool is synced at the end of a step and stays awake until it generates; an agent of
-  the shared pool is synced right before its own rollout (recipe_hacpo/agent_runtime.py), so
+  the shared pool is synced right before its own rollout (recipe_hacpo/training/agent_runtime.py), so
   the other members' replicas are asleep.
   sync of agent j: its replica's weights (woken before the KV cache) + the weights the
   actor hands over: its FSDP weights on the GPU (brought back if offloaded); for a LoRA agent
@@ -314,7 +314,7 @@ def plan_agent(cfg, spec, gpu_memory: int, shape: ModelShape | None) -> AgentPla
     plan.vllm_share = int(plan.utilization * gpu_memory)
     if shape is None:
         plan.note = (f"{spec.model_path}: no config.json here (not a local dir, not in the HF cache, not in "
-                     "recipe_hacpo/model_specs.json); memory not estimated")
+                     "recipe_hacpo/cluster/model_specs.json); memory not estimated")
         return plan
     if plan.max_model_len is None:
         # verl's vLLM server falls back to the model's maximum context
@@ -406,7 +406,7 @@ def plan(cfg, specs, gpu_memory_gib: float | None = None, shapes: dict | None = 
             raw, source = read_model_config(s.model_path), "config.json on disk"
             if raw is None:
                 raw = shipped_model_config(s.model_path)
-                source = "not on disk: figures shipped in recipe_hacpo/model_specs.json (the model's public config.json)"
+                source = "not on disk: figures shipped in recipe_hacpo/cluster/model_specs.json (the model's public config.json)"
             shape = ModelShape.from_config(raw) if raw else None
         plans.append(plan_agent(cfg, s, gpu_memory, shape))
         plans[-1].source = source if shape is not None else ""

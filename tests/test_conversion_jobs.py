@@ -1,4 +1,4 @@
-"""The exchange off the critical path (recipe_hacpo/exchange_jobs.py): the trainer's whole step on
+"""The exchange off the critical path (recipe_hacpo/exchange/jobs.py): the trainer's whole step on
 stand-in agents, with the background conversions and with the serial ones (trainer.exchange_workers=0),
 gives the same learner batches bit for bit, in every mode that converts peer rows (HACPO on all or on
 GRAFT's selected rows, GRAFT, SGT) and with three agents; on the project's tiny tokenizers and on the
@@ -18,14 +18,14 @@ from omegaconf import OmegaConf
 from verl import DataProto
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.agent_runtime import AgentRuntime
+from recipe_hacpo.training.agent_runtime import AgentRuntime
 from recipe_hacpo.config import AgentSpec
-from recipe_hacpo.core_algos import CapabilityTracker
-from recipe_hacpo.exchange import RolloutExchange, pack_rows
-from recipe_hacpo.exchange_jobs import ExchangeJobError, ExchangeJobs, exchange_workers
+from recipe_hacpo.methods.core_algos import CapabilityTracker
+from recipe_hacpo.exchange.retokenize import RowConverter, pack_rows
+from recipe_hacpo.exchange.jobs import ConversionJobError, ConversionJobs, exchange_workers
 from recipe_hacpo.hacpo_settings import ConfigError, HacpoSettings
-from recipe_hacpo.scoring import Verifier, decode_responses
-from recipe_hacpo.trainer import HacpoTrainer
+from recipe_hacpo.training.scoring import Verifier, decode_responses
+from recipe_hacpo.training.trainer import HacpoTrainer
 
 G = 3
 QUESTIONS = ["What is 0123+0456?", "Solve x^2 = 4.", "Compute \\frac{12}{3}.", "Sum 7 and 8."]
@@ -134,7 +134,7 @@ def _trainer(tokenizers: dict, settings: HacpoSettings, workers: int, peer=None,
         converters[(peer.key, learner.spec.name)] = t._converter(
             peer.tokenizer, peer.eos_token_ids, learner)
     if workers:
-        t.exchange_jobs = ExchangeJobs(converters, decode_responses, workers)
+        t.conversion_jobs = ConversionJobs(converters, decode_responses, workers)
     return t
 
 
@@ -159,8 +159,8 @@ def _run(tokenizers: dict, settings: HacpoSettings, workers: int, steps: int = 2
             metrics.append(t.train_step(_batch_dict(step)))
             batches.append({n: a.trained for n, a in t.agents.items()})
     finally:
-        if t.exchange_jobs is not None:
-            t.exchange_jobs.close()
+        if t.conversion_jobs is not None:
+            t.conversion_jobs.close()
         t._pool.shutdown()
     return batches, metrics
 
@@ -219,7 +219,7 @@ def test_overlapped_learner_batches_equal_the_serial_ones_real_tokenizers():
 def test_replaying_a_recorded_peer_in_the_background_equals_the_serial_replay(tmp_path, char_tokenizer, pair_tokenizer):
     """GRAFT against a recording: loaded, checked, decoded and converted in the background from the
     moment the live agent's rollouts return; re-scored in the exchange phase as before."""
-    from recipe_hacpo.replay import RecordedPeer
+    from recipe_hacpo.methods.replay import RecordedPeer
 
     _run({"a": char_tokenizer, "b": pair_tokenizer}, HacpoSettings(mode="graft"), workers=0,
          record_rollouts_dir=str(tmp_path))
@@ -238,18 +238,18 @@ def test_a_failed_conversion_names_its_pair_and_stops_the_step_before_the_update
     def broken(batch, texts=None):
         raise UnicodeError("cannot encode\nthis row")
 
-    t.exchange_jobs.converters[("a", "b")] = SimpleNamespace(shared=True, prepare=broken)
+    t.conversion_jobs.converters[("a", "b")] = SimpleNamespace(shared=True, prepare=broken)
     t.global_step = 1
-    with pytest.raises(ExchangeJobError, match=r"^exchange a → b, step 1: UnicodeError: cannot encode this row$"):
+    with pytest.raises(ConversionJobError, match=r"^exchange a → b, step 1: UnicodeError: cannot encode this row$"):
         t.train_step(_batch_dict(1))
     assert all(a.trained is None for a in t.agents.values())  # no agent was updated
-    t.exchange_jobs.close()
+    t.conversion_jobs.close()
 
 
 def test_a_failed_pair_the_step_did_not_ask_for_still_stops_it(char_tokenizer, pair_tokenizer):
     """GRAFT converts only the selected groups; a pair none of whose rows were selected is still checked."""
     t = _trainer({"a": char_tokenizer, "b": pair_tokenizer}, HacpoSettings(), workers=2)
-    jobs = t.exchange_jobs
+    jobs = t.conversion_jobs
     jobs.begin_step(4)
     good = t.agents["a"].generate(t._prompt_batch(_batch_dict(1)))
     jobs.start("a", good, ["b"], char_tokenizer)
@@ -257,14 +257,14 @@ def test_a_failed_pair_the_step_did_not_ask_for_still_stops_it(char_tokenizer, p
     jobs.converters[("b", "a")] = SimpleNamespace(shared=True, prepare=lambda batch, texts=None: 1 / 0)
     jobs.start("b", t.agents["b"].generate(t._prompt_batch(_batch_dict(1))), ["a"], pair_tokenizer)
     assert len(jobs.convert("a", "b", good)) == len(good)
-    with pytest.raises(ExchangeJobError, match=r"^exchange b → a, step 4: ZeroDivisionError: division by zero$"):
+    with pytest.raises(ConversionJobError, match=r"^exchange b → a, step 4: ZeroDivisionError: division by zero$"):
         jobs.check()
     jobs.close()
 
 
 def test_an_input_changed_after_the_start_is_caught(char_tokenizer, pair_tokenizer):
     t = _trainer({"a": char_tokenizer, "b": pair_tokenizer}, HacpoSettings(), workers=1)
-    jobs = t.exchange_jobs
+    jobs = t.conversion_jobs
     for change, message in ((lambda b: b.batch["responses"].__setitem__((0, 0), 5), "responses was changed in place"),
                             (lambda b: b.batch.__setitem__("response_mask", b.batch["response_mask"].clone()),
                              "response_mask was replaced"),
@@ -279,7 +279,7 @@ def test_an_input_changed_after_the_start_is_caught(char_tokenizer, pair_tokeniz
             expected = t.converters[("a", "b")].convert(batch)
             _assert_same(expected, out, "unchanged")
         else:
-            with pytest.raises(ExchangeJobError, match=rf"^exchange a → b, step 2: a's {message} between generate"):
+            with pytest.raises(ConversionJobError, match=rf"^exchange a → b, step 2: a's {message} between generate"):
                 jobs.convert("a", "b", batch)
     jobs.close()
 
@@ -317,7 +317,7 @@ def test_no_two_jobs_use_one_tokenizer_at_once(char_tokenizer, pair_tokenizer):
             spy(tok, method)
     t.global_step = 1
     t.train_step(_batch_dict(1))
-    t.exchange_jobs.close()
+    t.conversion_jobs.close()
     assert len(overlap) > 8 and max(overlap) == 1
 
 

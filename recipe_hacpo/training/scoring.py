@@ -21,7 +21,7 @@ from omegaconf import DictConfig, open_dict
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.hacpo_settings import ConfigError
-from recipe_hacpo.reliability import call_with_deadlines
+from recipe_hacpo.cluster.reliability import call_with_deadlines
 
 
 
@@ -101,7 +101,7 @@ class Verifier:
         """Score a rollout `DataProto` (verl layout: `responses`, `response_mask`).
 
         texts: `decode_responses(batch, tokenizer)` when already decoded (the trainer decodes in
-        the background as the rollouts return, exchange_jobs.py); decoded here otherwise.
+        the background as the rollouts return, exchange/jobs.py); decoded here otherwise.
         """
         if texts is None:
             texts = decode_responses(batch, tokenizer)
