@@ -7,7 +7,6 @@ any update; an input changed behind the conversion's back is caught; jobs never 
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import threading
 from types import SimpleNamespace
 
@@ -20,8 +19,7 @@ from verl import DataProto
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.training.agent_runtime import AgentRuntime
 from recipe_hacpo.config import AgentSpec
-from recipe_hacpo.methods.core_algos import CapabilityTracker
-from recipe_hacpo.exchange.retokenize import RowConverter, pack_rows
+from recipe_hacpo.exchange.retokenize import pack_rows
 from recipe_hacpo.exchange.jobs import ConversionJobError, ConversionJobs, exchange_workers
 from recipe_hacpo.hacpo_settings import ConfigError, HacpoSettings
 from recipe_hacpo.training.scoring import Verifier, decode_responses
@@ -116,16 +114,11 @@ def _trainer(tokenizers: dict, settings: HacpoSettings, workers: int, peer=None,
              **trainer_keys) -> HacpoTrainer:
     """A HacpoTrainer with stand-in agents, assembled as init_workers does (converters, a recorded
     `peer` to replay, jobs)."""
-    t = object.__new__(HacpoTrainer)
-    t.config = OmegaConf.create({"trainer": trainer_keys, "data": {}})
-    t.specs = [AgentSpec(index=i, name=n, model_path="-", rollout_n=G, n_gpus_per_node=1, nnodes=1)
-               for i, n in enumerate(tokenizers)]
-    t.hacpo, t.effective = settings, settings.effective()
+    from helpers.stand_in import stand_in_trainer
+
+    t = stand_in_trainer(list(tokenizers), settings=settings, rollout_n=G, trainer_keys=trainer_keys,
+                         verifier=Verifier(reward, timeout_s=30.0), global_step=0)
     t.agents = {s.name: _Agent(s, tokenizers[s.name]) for s in t.specs}
-    t.tracker = CapabilityTracker(len(t.specs))
-    t.verifier = Verifier(reward, timeout_s=30.0)
-    t.global_step, t.agent_timing, t._worker_processes = 0, {}, None
-    t._pool = cf.ThreadPoolExecutor(len(t.specs))
     t.converters = t._build_converters()
     converters = t.converters
     if peer is not None:

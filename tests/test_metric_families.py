@@ -12,7 +12,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from training_worker import run_train_mini_batch
 from verl import DataProto
 from verl.utils import tensordict_utils as tu
@@ -20,7 +19,6 @@ from verl.utils.metric import AggregationType, Metric
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.training.agent_runtime import _record_metrics, _step_metrics
-from recipe_hacpo.config import AgentSpec
 from recipe_hacpo.methods.core_algos import CapabilityTracker
 from recipe_hacpo.hacpo_settings import HacpoSettings
 from recipe_hacpo.training.scoring import Verifier
@@ -29,17 +27,9 @@ from recipe_hacpo.training.trainer import HacpoTrainer
 
 def _trainer(names: list[str], *, shared_pool: bool = False) -> HacpoTrainer:
     """A HacpoTrainer without workers: specs, settings and stand-in agents only."""
-    t = object.__new__(HacpoTrainer)
-    gpus = 0 if shared_pool else 1
-    t.specs = [AgentSpec(index=i, name=n, model_path="-", rollout_n=2, n_gpus_per_node=gpus, nnodes=1)
-               for i, n in enumerate(names)]
-    t.hacpo = HacpoSettings()
-    t.effective = t.hacpo.effective()
-    t.agents = {s.name: SimpleNamespace(spec=s) for s in t.specs}
-    t.agent_timing = {}
-    t.global_step = 1
-    t.config = OmegaConf.create({"trainer": {}})
-    return t
+    from helpers.stand_in import stand_in_trainer
+
+    return stand_in_trainer(names, shared_pool=shared_pool)
 
 
 def _rollout(responses: list[list[int]], rewards: list[float] | None = None, uids: list[str] | None = None) -> DataProto:

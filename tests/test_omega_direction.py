@@ -5,18 +5,14 @@ P̂_k / P̂_src (learning more from weaker peers) fails here: the capabilities a
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import os
 
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from verl import DataProto
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.config import AgentSpec, HacpoSettings
-from recipe_hacpo.methods.core_algos import CapabilityTracker
 from recipe_hacpo.exchange.retokenize import RowConverter, pack_rows
 
 NAMES = ["strong", "middle", "weak"]
@@ -59,20 +55,12 @@ def _rollout(tokenizer, source: int, rewards: list[float]) -> DataProto:
 
 
 def test_cross_rows_carry_source_over_learner_capability(tmp_path, char_tokenizer):
-    from recipe_hacpo.training.trainer import HacpoTrainer
+    from helpers.stand_in import stand_in_trainer
 
-    t = object.__new__(HacpoTrainer)
-    t.specs = [AgentSpec(index=i, name=n, model_path="-", rollout_n=G, n_gpus_per_node=1, nnodes=1) for i, n in enumerate(NAMES)]
-    t.hacpo = HacpoSettings()
-    t.effective = t.hacpo.effective()
-    t.global_step = 1
-    t.config = OmegaConf.create({"trainer": {"learner_batch_dir": str(tmp_path)}})
-    t._pool = cf.ThreadPoolExecutor(1)
-    t.tracker = CapabilityTracker(len(NAMES))
-    t.converters = {
+    t = stand_in_trainer(NAMES, rollout_n=G, trainer_keys={"learner_batch_dir": str(tmp_path)}, converters={
         (s, k): RowConverter(char_tokenizer, char_tokenizer, max_prompt_length=8, max_response_length=8)
         for s in NAMES for k in NAMES
-    }
+    })
     # step mean rewards 5/6, 3/6, 1/6: three distinct capabilities, so ω ≠ 1/ω for every pair
     rewards = {"strong": [1, 1, 1, 1, 1, 0], "middle": [1, 1, 1, 0, 0, 0], "weak": [1, 0, 0, 0, 0, 0]}
     rollouts = {n: _rollout(char_tokenizer, i, [float(r) for r in rewards[n]]) for i, n in enumerate(NAMES)}

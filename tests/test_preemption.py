@@ -251,28 +251,24 @@ def stub_trainer(root: str, on_phase=None, total_steps: int = 6, save_freq: int 
                             agent.weight += torch.tensor(batch[:1] * 3, dtype=torch.float32)
             return {"batch": float(sum(batch)), "weight": float(self.agents["qwen_char"].weight[0])}
 
-    t = object.__new__(Stub)
+    from helpers.stand_in import stand_in_trainer
+
     base = OmegaConf.load(os.path.join(REPO, "configs", "hacpo_base.yaml")).trainer
     base.preemption.update({"slurm_end_time": False, "record_file": os.path.join(root, "stop.json"), **preemption})
-    t.config = OmegaConf.create({"trainer": {
+    config = OmegaConf.create({"trainer": {
         "default_local_dir": os.path.join(root, "ckpt"), "resume_mode": "auto", "resume_from_path": None,
         "test_freq": -1, "save_freq": save_freq, "val_before_train": False, "preemption": base.preemption,
     }})
-    t.specs = [StubAgent(n, i).spec for i, n in enumerate(NAMES)]
-    t.agents = {n: StubAgent(n, i) for i, n in enumerate(NAMES)}
-    t.tracker = CapabilityTracker(len(NAMES), window=3)
-    t.train_dataloader = StatefulDataLoader(list(range(20)), batch_size=2, shuffle=False)
-    t.val_dataloader = None
-    t.total_steps = total_steps
-    t.global_step = 0
-    t.verifier = type("V", (), {"close": lambda self: None})()
-    t.preemption = PreemptionSettings.from_config(t.config.trainer)
-    t.stop_signals = StopSignals()
-    t.started_at = time.time()
-    t._step_started = None
-    t._step_decision = None
-    t._worker_processes = {}
-    return t
+    return stand_in_trainer(
+        cls=Stub, specs=[StubAgent(n, i).spec for i, n in enumerate(NAMES)], config=config,
+        agents={n: StubAgent(n, i) for i, n in enumerate(NAMES)},
+        tracker=CapabilityTracker(len(NAMES), window=3),
+        train_dataloader=StatefulDataLoader(list(range(20)), batch_size=2, shuffle=False),
+        val_dataloader=None, total_steps=total_steps, global_step=0,
+        verifier=type("V", (), {"close": lambda self: None})(),
+        preemption=PreemptionSettings.from_config(config.trainer), stop_signals=StopSignals(),
+        started_at=time.time(), _step_started=None, _step_decision=None, _worker_processes={},
+    )
 
 
 def signal_at(step: int, phase: str, signum=signal.SIGUSR1):

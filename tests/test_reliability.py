@@ -16,7 +16,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from omegaconf import OmegaConf
 from tensordict import TensorDict
 from torchdata.stateful_dataloader import StatefulDataLoader
 from helpers.e2e import HACPO_PAIR_KINDS, HACPO_PAIR_RUN, agent_overrides, logged_steps
@@ -68,18 +67,17 @@ class StubAgent:
 
 
 def make_trainer(root: str, resume_mode: str = "auto", resume_from_path: str | None = None, fail: str | None = None):
-    from recipe_hacpo.training.trainer import HacpoTrainer
+    from helpers.stand_in import stand_in_trainer
 
-    trainer = object.__new__(HacpoTrainer)  # no Ray: only the checkpoint state is exercised
-    trainer.config = OmegaConf.create(
-        {"trainer": {"default_local_dir": root, "resume_mode": resume_mode, "resume_from_path": resume_from_path}}
+    # no Ray: only the checkpoint state is exercised
+    return stand_in_trainer(
+        specs=[StubAgent(n, i).spec for i, n in enumerate(NAMES)],
+        trainer_keys={"default_local_dir": root, "resume_mode": resume_mode, "resume_from_path": resume_from_path},
+        agents={n: StubAgent(n, i, fail_on_save=(n == fail)) for i, n in enumerate(NAMES)},
+        tracker=CapabilityTracker(len(NAMES), window=3),
+        train_dataloader=StatefulDataLoader(list(range(20)), batch_size=2, shuffle=False),
+        global_step=0,
     )
-    trainer.specs = [StubAgent(n, i).spec for i, n in enumerate(NAMES)]
-    trainer.agents = {n: StubAgent(n, i, fail_on_save=(n == fail)) for i, n in enumerate(NAMES)}
-    trainer.tracker = CapabilityTracker(len(NAMES), window=3)
-    trainer.train_dataloader = StatefulDataLoader(list(range(20)), batch_size=2, shuffle=False)
-    trainer.global_step = 0
-    return trainer
 
 
 def run_steps(trainer, steps: int, save=True) -> list:
@@ -356,19 +354,10 @@ def test_update_metrics_nonfinite_loss_stops_and_grad_norm_is_counted(capsys):
 
 def test_trainer_phases_stop_on_nonfinite_with_agent_name():
     """`old_log_probs` and `update` of the real trainer, with stub agents instead of Ray workers."""
-    import concurrent.futures as cf
 
-    from recipe_hacpo.config import HacpoSettings
-    from recipe_hacpo.training.trainer import HacpoTrainer
+    from helpers.stand_in import stand_in_trainer
 
-    t = object.__new__(HacpoTrainer)
-    t.specs = [AgentSpec(index=i, name=n, model_path="-", rollout_n=2, n_gpus_per_node=1, nnodes=1) for i, n in enumerate(NAMES)]
-    t.hacpo = HacpoSettings()
-    t.global_step = 3
-    t.config = OmegaConf.create({"trainer": {}})
-    t.agents = {s.name: SimpleNamespace(spec=s) for s in t.specs}
-    t._pool = cf.ThreadPoolExecutor(2)
-    t.agent_timing = {}
+    t = stand_in_trainer(NAMES, global_step=3)
 
     rollouts = {n: learner_batch() for n in NAMES}
     bad = torch.zeros(4, 5)
@@ -401,16 +390,14 @@ def test_trainer_phases_stop_on_nonfinite_with_agent_name():
 
 # ============================================================================ dead workers
 def test_each_names_the_agent_whose_worker_died():
-    import concurrent.futures as cf
 
     from ray.exceptions import ActorDiedError, RayTaskError
 
-    from recipe_hacpo.training.trainer import HacpoTrainer
+    from helpers.stand_in import specs_of, stand_in_trainer
 
-    t = object.__new__(HacpoTrainer)
-    t.agents = {n: SimpleNamespace(spec=SimpleNamespace(name=n, uses_shared_pool=(n == "qwen_char"))) for n in NAMES}
-    t._pool = cf.ThreadPoolExecutor(2)
-    t.agent_timing = {}
+    # qwen_char on the shared pool, llama_pair on its own
+    specs = [s if s.name == "llama_pair" else specs_of([s.name], shared_pool=True)[0] for s in specs_of(NAMES)]
+    t = stand_in_trainer(specs=specs)
 
     def died(agent):
         if agent.spec.name == "llama_pair":
@@ -541,16 +528,16 @@ def test_verifier_counts_errors_timeouts_nonfinite_and_goes_on(char_tokenizer):
 
 
 def test_trainer_score_reports_reward_failures_per_agent(char_tokenizer, pair_tokenizer):
-    from recipe_hacpo.training.trainer import HacpoTrainer
 
     def reward(data_source, solution_str, ground_truth, extra_info=None):
         if "9" in solution_str:
             raise ValueError("bad sample")
         return float(solution_str.strip() == ground_truth)
 
-    t = object.__new__(HacpoTrainer)
-    t.verifier = Verifier(reward, timeout_s=5)
-    t.agents = {"qwen_char": SimpleNamespace(tokenizer=char_tokenizer), "llama_pair": SimpleNamespace(tokenizer=pair_tokenizer)}
+    from helpers.stand_in import stand_in_trainer
+
+    t = stand_in_trainer(NAMES, verifier=Verifier(reward, timeout_s=5), agents={
+        "qwen_char": SimpleNamespace(tokenizer=char_tokenizer), "llama_pair": SimpleNamespace(tokenizer=pair_tokenizer)})
     rollouts = {
         "qwen_char": rollout_for(char_tokenizer, ["7", "9", "7"], ["7"] * 3),
         "llama_pair": rollout_for(pair_tokenizer, ["7", "8", "99"], ["7"] * 3),

@@ -161,11 +161,10 @@ class _Agent:
 
 def _trainer(action: str) -> HacpoTrainer:
     cfg = _compose([f"trainer.rollout_check.action={action}"])
-    t = object.__new__(HacpoTrainer)
-    t.rollout_check = RolloutCheck.from_config(OmegaConf.to_container(cfg.trainer.rollout_check))
-    t.agents = {"good": _Agent(cfg), "stale": _Agent(cfg)}
-    t.global_step = 7
-    return t
+    from helpers.stand_in import stand_in_trainer
+
+    return stand_in_trainer(["good", "stale"], global_step=7, agents={"good": _Agent(cfg), "stale": _Agent(cfg)},
+                            rollout_check=RolloutCheck.from_config(OmegaConf.to_container(cfg.trainer.rollout_check)))
 
 
 def _rollouts(stale_noise: float) -> dict[str, DataProto]:

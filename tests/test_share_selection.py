@@ -6,7 +6,6 @@ the selected rows over a mini-batch."""
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 from types import SimpleNamespace
 
 import numpy as np
@@ -18,8 +17,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.config import AgentSpec
-from recipe_hacpo.methods.core_algos import CapabilityTracker, compute_hacpo_advantage, compute_hacpo_policy_loss
+from recipe_hacpo.methods.core_algos import compute_hacpo_advantage, compute_hacpo_policy_loss
 from recipe_hacpo.exchange.retokenize import RowConverter, pack_rows
 from recipe_hacpo.methods.graft_formulas import graft_selection
 from recipe_hacpo.hacpo_settings import HacpoSettings
@@ -51,21 +49,12 @@ def _rollout(tokenizer, source: int, rewards: list[float]) -> DataProto:
 
 def _trainer(names: list[str], tokenizer, settings: HacpoSettings):
     """A HacpoTrainer without workers: what exchange and advantages read."""
-    from recipe_hacpo.training.trainer import HacpoTrainer
+    from helpers.stand_in import stand_in_trainer
 
-    t = object.__new__(HacpoTrainer)
-    t.specs = [AgentSpec(index=i, name=n, model_path="-", rollout_n=G, n_gpus_per_node=1, nnodes=1)
-               for i, n in enumerate(names)]
-    t.hacpo = settings
-    t.effective = settings.effective()
-    t.global_step = 1
-    t._pool = cf.ThreadPoolExecutor(1)
-    t.tracker = CapabilityTracker(len(names))
-    t.converters = {
+    return stand_in_trainer(names, settings=settings, rollout_n=G, converters={
         (s, k): RowConverter(tokenizer, tokenizer, max_prompt_length=8, max_response_length=8)
         for s in names for k in names
-    }
-    return t
+    })
 
 
 def _step(names, rewards, tokenizer, settings):

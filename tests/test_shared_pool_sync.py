@@ -5,7 +5,6 @@ synced at once, as before. The planner's sync phase by hand numbers (the LoRA on
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 from types import SimpleNamespace
 
 import numpy as np
@@ -71,10 +70,9 @@ def _runtime(name: str, shared: bool, pool: _Pool) -> AgentRuntime:
 
 
 def _trainer(agents: dict[str, AgentRuntime], step: int) -> HacpoTrainer:
-    tr = object.__new__(HacpoTrainer)
-    tr.agents, tr.global_step, tr.agent_timing = agents, step, {}
-    tr._pool = cf.ThreadPoolExecutor(max_workers=2)
-    return tr
+    from helpers.stand_in import stand_in_trainer
+
+    return stand_in_trainer(agents=agents, global_step=step)
 
 
 def _prompts() -> DataProto:

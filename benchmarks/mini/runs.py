@@ -92,9 +92,16 @@ def trained_rows_per_prompt(arm: Arm, setup: Setup, n_agents: int) -> int:
 
 
 def batch_rows_per_prompt(arm: Arm, setup: Setup, n_agents: int) -> int:
-    """Rows per prompt in the learner batch the trainer splits into micro-batches: SGT adds one
-    imitation slot to the own group."""
-    return trained_rows_per_prompt(arm, setup, n_agents) + (1 if arm.mode == "sgt" else 0)
+    """Rows per prompt in the learner batch the trainer splits into micro-batches, as the arm's
+    method lays it out (`Method.rows_per_prompt`: SGT adds one imitation slot to the own group)."""
+    from recipe_hacpo.agent_spec import AgentSpec
+    from recipe_hacpo.hacpo_settings import HacpoSettings
+    from recipe_hacpo.methods import method_for
+
+    g = setup.group * arm.group_mult
+    specs = [AgentSpec(index=i, name=f"agent{i}", model_path="-", rollout_n=g, n_gpus_per_node=1, nnodes=1)
+             for i in range(n_agents)]
+    return method_for(arm.mode).rows_per_prompt(specs, specs[0], HacpoSettings.from_dict({"mode": arm.mode}))
 
 
 def _agent_overrides(agent) -> dict:

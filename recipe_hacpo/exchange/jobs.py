@@ -43,7 +43,6 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-import numpy as np
 import torch
 from verl import DataProto
 
