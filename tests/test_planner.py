@@ -21,7 +21,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHAPES = REPO / "tests" / "fixtures" / "model_shapes"
 PRESETS = sorted(p.stem for p in (REPO / "configs").glob("pair_*.yaml"))
 GIB = 1024**3
-SHIPPED = json.loads((REPO / "recipe_hacpo" / "model_specs.json").read_text())["models"]
+SHIPPED = json.loads((REPO / "recipe_hacpo" / "cluster" / "model_specs.json").read_text())["models"]
 
 
 def _shape(name: str) -> planner.ModelShape:
@@ -316,7 +316,7 @@ def test_planner_imports_nothing_from_config():
     """config.validate calls the planner, so the dependency runs config -> planner only."""
     import ast
 
-    tree = ast.parse((REPO / "recipe_hacpo" / "planner.py").read_text())
+    tree = ast.parse((REPO / "recipe_hacpo" / "cluster" / "planner.py").read_text())
     imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
     imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
     assert not any(m and m.startswith("recipe_hacpo") for m in imported), imported

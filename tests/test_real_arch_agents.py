@@ -39,7 +39,9 @@ def real_agent_paths(tmp_path_factory):
 
 def test_kinds_are_the_presets_architectures():
     assert tiny_agents.REAL_ARCH_KINDS == ("qwen3-tied", "qwen3-untied", "llama3p2-tied")
-    with open(os.path.join(os.path.dirname(tiny_agents.__file__), "model_specs.json")) as f:
+    from recipe_hacpo.cluster.planner import SHIPPED_SPECS
+
+    with open(SHIPPED_SPECS) as f:
         presets = json.load(f)["models"]
     for kind, spec in tiny_agents.REAL_ARCH_KIND_SPECS.items():
         model_type, _, tied, _, vocab, _, _ = PUBLIC[kind]

@@ -38,7 +38,7 @@ def stand_in_trainer(names: Sequence[str] = (), *, specs: list | None = None, se
     t.specs = specs if specs is not None else specs_of(names, rollout_n, shared_pool)
     t.hacpo = settings or HacpoSettings()
     t.effective = t.hacpo.effective()
-    t.tracker = CapabilityTracker(len(t.specs))
+    t.tracker = CapabilityTracker(len(t.specs)) if t.specs else None  # a test may set only agents
     t.global_step, t.agent_timing, t._worker_processes = 1, {}, None
     t.config = OmegaConf.create({"trainer": dict(trainer_keys or {}), "data": {}})
     t.agents = {s.name: SimpleNamespace(spec=s) for s in t.specs}
