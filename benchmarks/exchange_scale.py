@@ -122,7 +122,7 @@ class Setup:
         # every agent holds its own tokenizer object, as AgentRuntime does
         self.tokenizer = {name: load_tokenizer(self.kind[name]) for name in self.names}
         self.base = base
-        self.all_exchanges = {
+        self.all_converters = {
             (s, l): RowConverter(self.tokenizer[s], self.tokenizer[l], max_prompt_length=prompt_width,
                                     max_response_length=response_width)
             for s in self.names for l in self.names if s != l
@@ -131,13 +131,13 @@ class Setup:
 
     def use(self, agents: int) -> "Setup":
         self.names = [f"{KINDS[i % 2]}_{i}" for i in range(agents)]
-        self.exchanges = {(s, l): ex for (s, l), ex in self.all_exchanges.items() if s in self.names and l in self.names}
+        self.converters = {(s, l): ex for (s, l), ex in self.all_converters.items() if s in self.names and l in self.names}
         return self
 
     def fresh_rollouts(self) -> dict[str, DataProto]:
         """Each agent's rollouts as generate returns them (its own DataProto over the kind's rows).
         The converters' prompt caches are emptied: a step's prompts are new to them."""
-        for ex in self.exchanges.values():
+        for ex in self.converters.values():
             ex._prompt_cache.clear()
         out = {}
         for name in self.names:
@@ -148,7 +148,7 @@ class Setup:
     def tokens_converted(self) -> int:
         """Response tokens of the source rows of every re-tokenizing pair (what crosses tokenizers)."""
         return sum(int(self.base[self.kind[s]].batch["response_mask"].sum())
-                   for (s, l), ex in self.exchanges.items() if not ex.shared)
+                   for (s, l), ex in self.converters.items() if not ex.shared)
 
 
 def step_before(setup: Setup, window_s: float) -> tuple[float, float, dict]:
@@ -161,7 +161,7 @@ def step_before(setup: Setup, window_s: float) -> tuple[float, float, dict]:
     decode_s = time.perf_counter() - t0
     time.sleep(window_s)
     t1 = time.perf_counter()
-    parts = {(s, l): setup.exchanges[(s, l)].convert(rollouts_[s]) for l in setup.names for s in setup.names if s != l}
+    parts = {(s, l): setup.converters[(s, l)].convert(rollouts_[s]) for l in setup.names for s in setup.names if s != l}
     exchange_s = time.perf_counter() - t1
     return decode_s + exchange_s, decode_s + exchange_s, parts
 
@@ -169,7 +169,7 @@ def step_before(setup: Setup, window_s: float) -> tuple[float, float, dict]:
 def step_after(setup: Setup, window_s: float, workers: int) -> tuple[tuple[float, float], float, dict]:
     """The trainer's ConversionJobs: ((score's wait, exchange phase) seconds, seconds until every pair
     was ready, parts)."""
-    jobs = ConversionJobs(dict(setup.exchanges), decode_responses, workers)
+    jobs = ConversionJobs(dict(setup.converters), decode_responses, workers)
     try:
         rollouts_ = setup.fresh_rollouts()
         jobs.begin_step(1)
@@ -251,7 +251,7 @@ def main(argv=None) -> None:
         setup = everyone.use(agents)
         workers = args.workers or agents
         tokens = setup.tokens_converted()
-        retok = sum(not ex.shared for ex in setup.exchanges.values())
+        retok = sum(not ex.shared for ex in setup.converters.values())
         before_s, _, serial = step_before(setup, 0.0)
         after = {}
         same = True
@@ -261,7 +261,7 @@ def main(argv=None) -> None:
             same = same and identical(serial, parts)
             del parts
         ready0 = after[0.0][1] if 0.0 in after else float("nan")
-        cells = [f"{agents}", f"{retok} / {len(setup.exchanges) - retok}", f"{tokens / 1e6:.2f}", f"{before_s:.2f}",
+        cells = [f"{agents}", f"{retok} / {len(setup.converters) - retok}", f"{tokens / 1e6:.2f}", f"{before_s:.2f}",
                  f"{tokens / 1e6 / before_s:.2f}", f"{ready0:.2f}", f"{tokens / 1e6 / ready0:.2f}"]
         cells += [f"{sum(after[w][0]):.2f} ({after[w][0][0]:.2f} + {after[w][0][1]:.2f})" for w in windows_s]
         cells += ["yes" if same else "NO"]

@@ -4,6 +4,12 @@
     graft.py   GRAFT, and its replay of a recorded peer                    mode graft
     sgt.py     SGT                                                          mode sgt
 
+and what they are built from: the contract (`base.py`), the step's context a method receives
+(`context.py`), the loss contract and frame (`objective.py`), the formulas (`core_algos.py` for
+HACPO, `graft_formulas.py`, `sgt_formulas.py`, `groups.py` for what several share), the rows of
+a learner batch (`rows.py`), the default mini-batch layout (`minibatch.py`) and GRAFT's recorded
+peers (`replay.py`).
+
 `METHODS` is the closed table from `algorithm.hacpo.mode` to its method; the trainer, the
 config checks and the worker's loss ask `method_for`, and hold no branch on the mode. A new
 method is a module here with a `Method` subclass and its objective, one entry in this table and
