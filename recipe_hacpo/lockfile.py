@@ -120,10 +120,8 @@ def read_lock(path: Path) -> dict:
         if m:
             current = canonical(m.group(1))
             pins[current] = (m.group(2), [])
-        if current is not None and not line.lstrip().startswith("#"):
+        if current is not None:  # a pin's hashes follow it, on its own line and the next ones
             pins[current][1].extend(_HASH.findall(line))
-        if not line.rstrip().endswith("\\") and not _PIN.match(line):
-            current = None if not line.strip() or line.lstrip().startswith("#") else current
     return {"target": target.group(1), "python": target.group(2), "platform": target.group(3),
             "fingerprint": fp.group(1), "pins": pins}
 

@@ -101,7 +101,8 @@ def download(lock_path: Path, dest: Path, extra_wheels: list[Path], python: str 
     """Fill `dest` with the lock's files for its target, hash-checked; return its requirements.txt."""
     lock = read_lock(lock_path)
     for w in extra_wheels:
-        if not w.is_file() or file_identity(w.name) is None or file_identity(w.name)[2] != "wheel":
+        ident = file_identity(w.name)
+        if not w.is_file() or ident is None or ident[2] != "wheel":
             raise WheelhouseError(f"--wheel {w}: not a wheel file")
     dest.mkdir(parents=True, exist_ok=True)
     # --no-deps: the lock is the closed set; it also lets pip take a source archive where a
@@ -117,37 +118,38 @@ def download(lock_path: Path, dest: Path, extra_wheels: list[Path], python: str 
 def assemble(lock: dict, lock_path: Path, dest: Path, extra_wheels: list[Path], python: str = sys.executable) -> Path:
     """After the download: wheels for the source archives, the extra wheels, the listing."""
     files = _files_of_lock(lock, dest, lock_path)
-    for name, path in list(files.items()):
-        if path.name.endswith(".whl"):
-            continue
-        files[name] = _build_wheel(path, dest, lock, python)
+    for name, (path, _) in list(files.items()):
+        if not path.name.endswith(".whl"):
+            wheel = _build_wheel(path, dest, lock, python)
+            files[name] = (wheel, sha256(wheel))
     for w in extra_wheels:
-        name = file_identity(w.name)[0]
         target = dest / w.name
         if w.resolve() != target.resolve():
             shutil.copy2(w, target)
-        files[name] = target
+        files[file_identity(w.name)[0]] = (target, sha256(target))
     out = write_listing(dest, lock, files)
-    total = sum(p.stat().st_size for p in files.values())
+    total = sum(path.stat().st_size for path, _ in files.values())
     print(f"wheelhouse {dest}: {len(files)} wheels, {total / 2**20:.0f} MiB, for {lock['target']}")
     return out
 
 
-def write_listing(dest: Path, lock: dict, files: dict[str, Path]) -> Path:
-    """`dest/requirements.txt`: the lock's target line and each file's pin and sha256."""
+def write_listing(dest: Path, lock: dict, files: dict[str, tuple[Path, str]]) -> Path:
+    """`dest/requirements.txt`: the lock's target line and each file's pin and sha256
+    (`files`: {name: (path, its sha256)})."""
     lines = [f"# target: {lock['target']} (Python {lock['python']}, {lock['platform']})\n",
              "# the wheels of that lock as they lie in this folder (python -m recipe_hacpo.wheelhouse)\n"]
     for name in sorted(files):
-        _, version, _ = file_identity(files[name].name)
-        lines.append(f"{name}=={version} --hash=sha256:{sha256(files[name])}  # {files[name].name}\n")
+        path, digest = files[name]
+        _, version, _ = file_identity(path.name)
+        lines.append(f"{name}=={version} --hash=sha256:{digest}  # {path.name}\n")
     out = dest / INSTALL_LIST
     out.write_text("".join(lines))
     return out
 
 
-def _files_of_lock(lock: dict, dest: Path, lock_path: Path) -> dict[str, Path]:
-    """The file in `dest` for each pin of the lock whose hash the lock lists."""
-    by_hash: dict[str, Path] = {}
+def _files_of_lock(lock: dict, dest: Path, lock_path: Path) -> dict[str, tuple[Path, str]]:
+    """The file in `dest` for each pin of the lock whose hash the lock lists, with that hash."""
+    found: dict[str, tuple[Path, str]] = {}
     wanted = {h: name for name, (_, hashes) in lock["pins"].items() for h in hashes}
     for path in dest.iterdir():
         ident = file_identity(path.name)
@@ -155,11 +157,11 @@ def _files_of_lock(lock: dict, dest: Path, lock_path: Path) -> dict[str, Path]:
             continue
         digest = sha256(path)
         if digest in wanted:
-            by_hash[wanted[digest]] = path
-    missing = sorted(set(lock["pins"]) - set(by_hash))
+            found[wanted[digest]] = (path, digest)
+    missing = sorted(set(lock["pins"]) - set(found))
     if missing:
         raise WheelhouseError(f"{dest}: no file with a hash of {lock_path.name} for {', '.join(missing[:5])}")
-    return by_hash
+    return found
 
 
 def _build_wheel(sdist: Path, dest: Path, lock: dict, python: str) -> Path:

@@ -119,7 +119,7 @@ def test_a_wheelhouse_of_another_python_is_refused_in_one_line(tmp_path, capsys)
     folder.mkdir()
     w = _wheel(folder, "hwalpha", "1.0", "")
     lock = read_lock(_lock(tmp_path / "lock.txt", [w], python="3.99"))
-    wheelhouse.write_listing(folder, lock, {"hwalpha": w})
+    wheelhouse.write_listing(folder, lock, {"hwalpha": (w, wheelhouse.sha256(w))})
     assert wheelhouse.main(["install", "--wheelhouse", str(folder), "--python", sys.executable]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Python 3.99" in err and f"is Python {PY}" in err
