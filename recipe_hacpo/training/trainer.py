@@ -430,12 +430,11 @@ class HacpoTrainer:
         """The recorded peer's rows of this step (replay.py), scored: loaded, checked, decoded and
         converted in the background since the live rollouts returned, or here and now."""
         peer, jobs = self.replay_peer, self.conversion_jobs
-        if jobs is not None and jobs.started(peer.key):
-            recorded = jobs.batch(peer.key)
-            attach_rewards(recorded, self.verifier.score(recorded, peer.tokenizer, texts=jobs.texts(peer.key)))
-        else:
-            recorded = peer.load(self.global_step, live)  # checked against the live prompts (R1)
-            attach_rewards(recorded, self.verifier.score(recorded, peer.tokenizer))  # re-scored (R2)
+        background = jobs is not None and jobs.started(peer.key)
+        # checked against the live prompts (R1) by `load`, in the background or here
+        recorded = jobs.batch(peer.key) if background else peer.load(self.global_step, live)
+        texts = jobs.texts(peer.key) if background else None
+        attach_rewards(recorded, self.verifier.score(recorded, peer.tokenizer, texts=texts))  # re-scored (R2)
         return RecordedRows(key=peer.key, rollout_n=peer.rollout_n, batch=recorded)
 
     def ref_log_probs(self, batches: dict[str, DataProto]) -> None:

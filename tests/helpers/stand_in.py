@@ -13,7 +13,6 @@ import concurrent.futures as cf
 from types import SimpleNamespace
 from typing import Sequence
 
-import torch
 from omegaconf import OmegaConf
 
 from recipe_hacpo.agent_spec import AgentSpec
@@ -49,20 +48,12 @@ def stand_in_trainer(names: Sequence[str] = (), *, specs: list | None = None, se
 
 
 def stand_in_context(names: Sequence[str], converters: dict, *, settings: HacpoSettings | None = None, step: int = 1,
-                     rollout_n: int = 2, seed: int = 42, capabilities: torch.Tensor | None = None) -> StepContext:
-    """The StepContext of one step over `converters` ({(source, learner): RowConverter}),
-    converting serially as `trainer.exchange_workers=0` does; no old log-probs, no recorded peer."""
-    settings = settings or HacpoSettings()
-    specs = specs_of(names, rollout_n)
-
-    def convert(source, learner, batch, rows=None):
-        return converters[(source, learner)].convert(batch if rows is None else batch.select_idxs(rows))
-
-    def no_forward(requests, phase):
-        raise AssertionError(f"a stand-in context runs no forward ({phase})")
-
-    return StepContext(
-        specs=tuple(specs), settings=settings, effective=settings.effective(), step=step,
-        capabilities=capabilities if capabilities is not None else torch.full((len(specs),), 0.5),
-        seed_of=lambda name: seed, convert=convert, old_log_probs_of_rows=no_forward,
-    )
+                     rollout_n: int = 2, seed: int = 42) -> StepContext:
+    """The StepContext a stand-in trainer hands its method at `step` (`HacpoTrainer.step_context`):
+    rows converted serially by `converters` ({(source, learner): RowConverter}), as
+    `trainer.exchange_workers=0` does, every agent's `actor.data_loader_seed` `seed`, the
+    capabilities before any update; it runs no forward, and replays no recorded peer."""
+    t = stand_in_trainer(names, settings=settings, rollout_n=rollout_n, global_step=step, converters=converters)
+    agent_config = OmegaConf.create({"actor_rollout_ref": {"actor": {"data_loader_seed": seed}}})
+    t.agents = {s.name: SimpleNamespace(spec=s, config=agent_config) for s in t.specs}
+    return t.step_context()
