@@ -54,8 +54,7 @@ def graft_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[di
     uids, correct = correct_counts(rollouts, names)
     sizes = torch.as_tensor([s.rollout_n for s in ctx.specs], dtype=torch.long)
     source_of = graft_selection(correct, sizes, balance=ctx.settings.graft_balance)  # [N_R, Q]
-    batches = graft_batches(rollouts, names, source_of, uids, {s.name: s.index for s in ctx.specs},
-                            lambda source, learner, rows: ctx.convert(source, learner, rollouts[source], rows))
+    batches = graft_batches(rollouts, names, source_of, uids, {s.name: s.index for s in ctx.specs}, ctx.convert)
     for learner in ctx.specs:
         metrics[learner.name]["graft/groups_received"] = float((source_of[learner.index] >= 0).sum())
         metrics[learner.name]["graft/groups_given"] = float((source_of == learner.index).sum())
@@ -71,11 +70,11 @@ def graft_batches(
     source_of: torch.Tensor,
     uids: list[str],
     learners: dict[str, int],
-    convert: Callable[[str, str, torch.Tensor], DataProto],
+    convert: Callable[..., DataProto],
 ) -> dict[str, DataProto]:
     """Each learner's batch: its own rows of the prompts it keeps, then each source's whole groups of
     the prompts `source_of` [N_R, Q] gives it from that source (index into `names`), re-tokenized by
-    `convert(source name, learner name, row numbers of rollouts[source])`."""
+    `convert(source name, learner name, rollouts[source], row numbers)` (`StepContext.convert`)."""
     prompt_of = {u: i for i, u in enumerate(uids)}
 
     def rows_for(name: str, receiver: int, wanted: int) -> torch.Tensor:
@@ -90,7 +89,7 @@ def graft_batches(
         for index, source in enumerate(names):
             rows = rows_for(source, receiver, index) if source != learner else own[:0]
             if len(rows):
-                parts.append(tag_rows(convert(source, learner, rows), source=index, cross=True, omega=1.0))
+                parts.append(tag_rows(convert(source, learner, rollouts[source], rows), source=index, cross=True, omega=1.0))
         # a receiver may have no own group left, never no group at all (every prompt has one)
         batches[learner] = concat_rows([p for p in parts if len(p)], GRAFT_FIELDS)
     return batches
@@ -146,8 +145,7 @@ def replay_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[d
     uids, correct = correct_counts(sources, [learner.name, peer.key])
     taken = replay_selection(correct, peer.rollout_n)
     source_of = torch.where(taken, 1, -1).unsqueeze(0)  # [N_R = 1, Q]: 1 = the recorded peer
-    batches = graft_batches(sources, [learner.name, peer.key], source_of, uids, {learner.name: 0},
-                            lambda source, name, rows: ctx.convert(source, name, sources[source], rows))
+    batches = graft_batches(sources, [learner.name, peer.key], source_of, uids, {learner.name: 0}, ctx.convert)
     metrics[learner.name]["graft/groups_received"] = float(taken.sum())
     metrics[learner.name]["replay/reward_mean"] = float(peer.batch.batch[K.REWARD].mean())
     weigh_grafted_rows(ctx, batches, metrics)
