@@ -439,6 +439,19 @@ def _validate_mixed_mini_batches(cfg: DictConfig, specs: list[AgentSpec]) -> Non
             )
 
 
+def validate_gpu_counts(cfg: DictConfig, specs: list[AgentSpec]) -> None:
+    """The checks of `validate` that depend on each agent's GPU count (batch and mini-batch
+    divisibility, whole prompt groups per data-parallel rank when sharing, the method's own), for
+    a layout `validate` has not seen (the plan's split search); ConfigError on the first failure."""
+    from recipe_hacpo.methods import method_for
+
+    hacpo = hacpo_settings(cfg)
+    method_for(hacpo.mode).validate(specs, hacpo, {s.name: data_parallel_world(cfg, s) for s in specs})
+    _validate_batches(cfg, specs)
+    if hacpo.shares:
+        _validate_mixed_mini_batches(cfg, specs)
+
+
 def data_parallel_world(cfg: DictConfig, spec: AgentSpec) -> int:
     """The GPUs (data-parallel ranks) an agent's actor runs on."""
     return max(1, spec.n_gpus_per_node * spec.nnodes) if not spec.uses_shared_pool else _shared_world(cfg)

@@ -134,7 +134,8 @@ def build_dataloaders(cfg: DictConfig, tokenizer):
 
 
 def plan_only(cfg: DictConfig) -> int:
-    """`trainer.plan_only=true`: print each agent's GPU memory plan, validate, start nothing.
+    """`trainer.plan_only=true`: print each agent's GPU memory plan, the time estimate of a step
+    and the ranking of GPU splits (`time_plan`), validate, start nothing.
 
     Returns the exit status: 0 when every agent fits (or could not be estimated: no local
     config.json), 1 when one does not fit; other configuration errors raise ConfigError.
@@ -143,8 +144,10 @@ def plan_only(cfg: DictConfig) -> int:
     from recipe_hacpo.config import agent_specs
 
     gib = float(cfg.trainer.get("gpu_memory_gib", 80))
-    plans = planner.plan(cfg, agent_specs(cfg), gib)
+    specs = agent_specs(cfg)
+    plans = planner.plan(cfg, specs, gib)
     print(planner.format_plan(plans, gib, cfg.trainer.get("max_actor_ckpt_to_keep")))
+    print(time_plan(cfg, specs, plans, asynchronous=True))
     bad = [p for p in plans if p.problems]
     if bad:
         print(f"error: agent {bad[0].name}: {bad[0].problems[0]}", file=sys.stderr)
@@ -152,6 +155,149 @@ def plan_only(cfg: DictConfig) -> int:
     # model dirs need not exist on the machine that plans
     validate(cfg, check_paths=False)
     return 0
+
+
+def rows_per_prompt(cfg: DictConfig, specs) -> dict[str, int]:
+    """Each learner's rows per prompt in its batch, as its method lays them out."""
+    from recipe_hacpo.config import hacpo_settings
+    from recipe_hacpo.methods import method_for
+
+    hacpo = hacpo_settings(cfg)
+    method = method_for(hacpo.mode)
+    return {s.name: method.rows_per_prompt(specs, s, hacpo) for s in specs}
+
+
+def split_check(cfg: DictConfig, shapes: dict, gib: float):
+    """check(split) for the split search: None when the config with agents.<name>.n_gpus_per_node
+    set to the split fits the memory plan and passes the checks that depend on GPU counts, else
+    the first reason, in one line."""
+    import copy
+
+    from omegaconf import open_dict
+
+    from recipe_hacpo.cluster import planner
+    from recipe_hacpo.config import agent_specs, validate_gpu_counts
+
+    def check(split: dict[str, int]) -> str | None:
+        trial = copy.deepcopy(cfg)
+        with open_dict(trial):
+            trial.agents_n_gpus_per_node = None
+            for name, gpus in split.items():
+                trial.agents[name].n_gpus_per_node = gpus
+        specs = agent_specs(trial)
+        bad = [p for p in planner.plan(trial, specs, gib, shapes) if p.problems]
+        if bad:
+            return f"agents.{bad[0].name} on {bad[0].gpus} GPU(s) does not fit: {bad[0].problems[0]}"
+        try:
+            validate_gpu_counts(trial, specs)
+        except ConfigError as err:
+            return str(err)
+        return None
+
+    return check
+
+
+def time_plan(cfg: DictConfig, specs, plans, asynchronous=None, top: int = 5) -> str:
+    """The time estimate `trainer.plan_only=true` prints after the memory plan
+    (recipe_hacpo/cluster/time_model.py): each agent's seconds per phase, the driver's, the
+    lockstep step, each pool's busy fraction, then the static GPU splits ranked by their lockstep
+    step (the `top` fastest and the current one), each checked against the memory plan and the
+    batch checks. `asynchronous(split)`, if given, adds an asynchronous estimate per split."""
+    from recipe_hacpo.cluster import time_model as tm
+
+    if str(cfg.trainer.get("device", "cuda")) == "cpu":
+        return "time estimate: not made for trainer.device=cpu (it models GPUs, trainer.gpu_kind)"
+    unknown = [p.name for p in plans if not p.known]
+    if unknown:
+        return f"time estimate: not made, no model shape for {', '.join(unknown)}"
+    settings = tm.TimeSettings.from_config(cfg.trainer)
+    gpu = settings.gpu
+    shapes = {p.name: p.shape for p in plans}
+    rows = rows_per_prompt(cfg, specs)
+    times = tm.estimate(cfg, specs, shapes, rows)
+    step = times.step_s
+    lines = [
+        f"HACPO time estimate of one lockstep step, {gpu.name} (trainer.gpu_kind={settings.gpu_kind}: "
+        f"{gpu.flops / 1e12:g} TFLOP/s dense bf16, {gpu.bandwidth / 1e12:g} TB/s)",
+        f"  estimates from each model's size and the GPU's datasheet, not measured: MFU {tm.TRAIN_MFU:g} in "
+        f"updates, {tm.FORWARD_MFU:g} in forward passes, decoding at {tm.DECODE_BANDWIDTH_FRACTION:.0%} of the "
+        "memory bandwidth;",
+        f"  mean prompt {settings.prompt_fill * int(cfg.data.max_prompt_length):.0f} tokens, mean response "
+        f"{settings.response_fill * int(cfg.data.max_response_length):.0f} tokens (trainer.time_model), "
+        f"{int(cfg.data.train_batch_size)} prompts a step",
+    ]
+    gpus = {p.name: p.gpus for p in plans}
+    for name, phases in times.agents.items():
+        pool = "shared pool" if name in times.shared else "own pool"
+        lines.append(f"- {name} ({gpus[name]} GPU(s), {pool}, {rows[name]} learner rows a prompt): "
+                     + _phase_list(phases) + f"; busy {_secs(sum(phases.values()))}")
+    lines.append("- driver (its CPU): " + _phase_list(times.driver))
+    rule = "the sum over the shared pool's agents" if times.shared else "its slowest agent"
+    lines.append(f"lockstep step: {_secs(step)} (each phase: {rule}; plus the driver's phases)")
+    lines.append("busy in lockstep: " + ", ".join(
+        f"{'shared pool' if pool == 'shared' else pool} {fraction:.0%}" for pool, fraction in times.busy_fraction().items())
+        + " of the step")
+    by_split = None
+    if asynchronous:
+        from recipe_hacpo.asynchronous.simulate import asynchronous_step_s
+
+        def by_split(split=None):
+            t = tm.estimate(cfg, specs, shapes, rows, split)
+            return asynchronous_step_s(t.agents, t.driver, shared=t.shared)
+
+        lines.append(f"asynchronous agents (each its own loop, no barrier; recipe_hacpo/asynchronous/): "
+                     f"{_secs(by_split())} a step until both made 20 steps ({by_split() / step:.2f}x lockstep), "
+                     "a prediction of the schedule only: the trainer has no asynchronous mode yet")
+    lines += _split_lines(cfg, specs, shapes, rows, by_split, top)
+    return "\n".join(lines)
+
+
+def _split_lines(cfg: DictConfig, specs, shapes: dict, rows: dict, asynchronous, top: int) -> list[str]:
+    from recipe_hacpo.cluster import time_model as tm
+
+    problem = tm.split_search_problem(specs)
+    if problem:
+        return [f"GPU split: not searched ({problem})"]
+    current = {s.name: s.n_gpus_per_node for s in specs}
+    check = split_check(cfg, shapes, float(cfg.trainer.get("gpu_memory_gib", 80)))
+    ranked = tm.rank_splits(current, lambda split: tm.estimate(cfg, specs, shapes, rows, split).step_s,
+                            check, asynchronous, top)
+    names = "+".join(current)
+
+    def shown(c: tm.SplitCandidate) -> str:
+        return "+".join(str(n) for n in c.split.values())
+
+    lines = [f"GPU splits of {sum(current.values())} GPUs ({names}), fastest lockstep step first "
+             f"({len(ranked)} splits; refused: what the config's checks say of that split):"]
+    for rank, c in enumerate(ranked, 1):
+        if rank > top and c.split != current:
+            continue
+        verdict = "valid" if c.valid else f"refused: {c.refused}" if c.refused else "not checked"
+        timing = f"{_secs(c.step_s):>8}  {c.relative:.2f}x"
+        if asynchronous is not None and c.asynchronous_s is not None:
+            timing += f"  asynchronous {_secs(c.asynchronous_s)}"
+        lines.append(f"  {rank:>3}. {shown(c):<8}{timing}  {'(current) ' if c.split == current else ''}{verdict}")
+    best = ranked[0]
+    valid = next((c for c in ranked if c.valid), None)
+    if valid is None:
+        lines.append("best valid split: none of the checked splits is valid")
+    else:
+        lines.append(f"best valid split: {shown(valid)}"
+                     + (" (the current one)" if valid.split == current else f", {valid.relative:.2f}x the current step"))
+    if best is valid:
+        lines.append("best split overall: the same")
+    else:
+        lines.append(f"best split overall: {shown(best)}, {best.relative:.2f}x the current step, "
+                     + (f"refused: {best.refused}" if best.refused else "not checked"))
+    return lines
+
+
+def _phase_list(phases: dict[str, float]) -> str:
+    return ", ".join(f"{phase} {_secs(s)}" for phase, s in phases.items())
+
+
+def _secs(s: float) -> str:
+    return f"{s:.0f} s" if s >= 100 else f"{s:.3g} s"
 
 
 def run(cfg: DictConfig) -> dict:

@@ -247,3 +247,48 @@ def test_any_costs_keep_the_manifest_invariants(factors, lag, window, shared_poo
             assert len({src for src, _, _ in peers}) == len(peers) <= len(names) - 1
     assert len(tl.step_ends[names[0]]) == versions[names[0]]
     assert all(0.0 <= tl.busy_fraction(p) <= 1.0 + 1e-9 for p in set(pools.values()))
+
+
+# ---------------------------------------------------------------- the same loop on the wall clock
+def test_the_wall_clock_runs_the_same_loop_with_threads():
+    from recipe_hacpo.asynchronous.simulate import SleepingAgent
+    from recipe_hacpo.asynchronous.wall_clock import WallClock
+
+    unit = {"gen": 0.01, "reward": 0.002, "old_log_prob": 0.005, "update_actor": 0.015, "update_weights": 0.002}
+    costs = {"fast": unit, "slow": {k: 3 * v for k, v in unit.items()}}
+    names = tuple(costs)
+    shared = Shared(PromptSchedule(names, 4), RowBuffer(names, 2), CapabilitySeries(names, 4, 0.01), 4,
+                    stop="slowest", save_every=2)
+    written = []
+
+    def on_checkpoint(round_, t):
+        shared.checkpoint_done(round_)
+        written.append((round_, dict(shared.buffer.versions)))
+        return 0.0
+
+    agents = {n: SleepingAgent(n, costs[n]) for n in names}
+    tl = WallClock({n: n for n in names}, on_checkpoint).run({n: agent_loop(agents[n], shared) for n in names})
+    versions = shared.buffer.versions
+    assert versions["slow"] == 4 and versions["fast"] > versions["slow"]
+    # one joint checkpoint at round 2, every agent at its own version, none below the round
+    assert [r for r, _ in written] == [2] and min(written[0][1].values()) == 2
+    assert all(0 <= t.lag <= 2 for t in shared.buffer.manifest)
+    assert len({(t.learner, t.source, t.batch) for t in shared.buffer.manifest}) == len(shared.buffer.manifest)
+    assert len(tl.step_ends["slow"]) == 4 and tl.end > 0
+
+
+def test_a_failing_agent_stops_the_wall_clock_run_with_its_error():
+    from recipe_hacpo.asynchronous.simulate import SleepingAgent
+    from recipe_hacpo.asynchronous.wall_clock import WallClock
+
+    class Broken(SleepingAgent):
+        def update(self, rollouts, peers, capabilities):
+            raise RuntimeError("agent b: worker died")
+
+    names = ("a", "b")
+    shared = Shared(PromptSchedule(names, 4), RowBuffer(names, 4), CapabilitySeries(names, 4, 0.01), 3,
+                    stop="slowest", save_every=1)
+    agents = {"a": SleepingAgent("a", {"gen": 0.001}), "b": Broken("b", {"gen": 0.002})}
+    with pytest.raises(RuntimeError, match="worker died"):
+        WallClock({"a": "a", "b": "b"}, lambda r, t: shared.checkpoint_done(r) or 0.0).run(
+            {n: agent_loop(agents[n], shared) for n in names})

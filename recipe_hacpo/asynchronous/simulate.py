@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import time
 from dataclasses import dataclass, field
 
 from recipe_hacpo.asynchronous.buffer import Entry, RowBuffer, Taken
@@ -48,6 +49,37 @@ class SyntheticAgent:
         return None
 
 
+class SleepingAgent(SyntheticAgent):
+    """A synthetic agent whose phases take their set seconds on the wall clock (a sleep: the
+    time a device would take, at no CPU cost), for runs of the wall-clock executor."""
+
+    def __init__(self, name: str, costs: dict[str, float]) -> None:
+        super().__init__(name)
+        self.costs = costs
+
+    def _pad(self, phase: str) -> None:
+        time.sleep(self.costs.get(phase, 0.0))
+
+    def generate(self, batch, version):
+        self._pad("gen")
+        return super().generate(batch, version)
+
+    def score(self, rollouts):
+        self._pad("reward")
+        return super().score(rollouts)
+
+    def old_log_probs(self, rollouts):
+        self._pad("old_log_prob")
+        return super().old_log_probs(rollouts)
+
+    def update(self, rollouts, peers, capabilities):
+        self._pad("update_actor")
+        return super().update(rollouts, peers, capabilities)
+
+    def sync(self):
+        self._pad("update_weights")
+
+
 @dataclass
 class Prediction:
     timeline: Timeline
@@ -76,6 +108,23 @@ def simulate(costs: dict[str, dict[str, float]], steps: int, *, pools: dict[str,
     timeline = clock.run(loops)
     return Prediction(timeline, dict(shared.buffer.versions), list(shared.buffer.manifest),
                       shared.buffer.evicted_stale, pools)
+
+
+def costs_with_driver(agent_phases: dict[str, dict[str, float]], driver: dict[str, float]) -> dict[str, dict[str, float]]:
+    """Per-agent costs for `simulate` from a lockstep estimate: each agent's own phases, and an
+    equal share of the driver's (scoring, conversion), which each agent's loop runs for itself."""
+    share = sum(driver.values()) / max(1, len(agent_phases))
+    return {name: {**phases, "reward": phases.get("reward", 0.0) + share} for name, phases in agent_phases.items()}
+
+
+def asynchronous_step_s(agent_phases: dict[str, dict[str, float]], driver: dict[str, float], *, steps: int = 20,
+                        shared: frozenset[str] = frozenset(), max_source_lag: int = 4, window: int = 4) -> float:
+    """Virtual seconds per step until every agent made `steps` steps (stop rule "each"), from a
+    lockstep estimate's phases; agents in `shared` take turns on one pool."""
+    pools = {name: ("shared" if name in shared else name) for name in agent_phases}
+    p = simulate(costs_with_driver(agent_phases, driver), steps, pools=pools, max_source_lag=max_source_lag,
+                 window=window, stop="each")
+    return p.timeline.end / steps
 
 
 def _parse_cost(text: str) -> tuple[str, dict[str, float]]:

@@ -389,6 +389,16 @@ def micro_batch_tokens(cfg, actor) -> int:
     return tokens // max(1, int(actor.get("ulysses_sequence_parallel_size") or 1))
 
 
+def model_shape(model_path: str) -> tuple[ModelShape | None, str]:
+    """(the model's shape, where it came from): its config.json on disk (a local dir or the
+    local HF cache), else the shipped figures; (None, "") when neither has it."""
+    raw, source = read_model_config(model_path), "config.json on disk"
+    if raw is None:
+        raw = shipped_model_config(model_path)
+        source = "not on disk: figures shipped in recipe_hacpo/cluster/model_specs.json (the model's public config.json)"
+    return (ModelShape.from_config(raw), source) if raw else (None, "")
+
+
 def plan(cfg, specs, gpu_memory_gib: float | None = None, shapes: dict | None = None) -> list[AgentPlan]:
     """Every agent's plan, with the checks that involve the agents sharing its GPUs.
 
@@ -403,11 +413,7 @@ def plan(cfg, specs, gpu_memory_gib: float | None = None, shapes: dict | None = 
         if shapes is not None and s.name in shapes:
             shape = shapes[s.name]
         else:
-            raw, source = read_model_config(s.model_path), "config.json on disk"
-            if raw is None:
-                raw = shipped_model_config(s.model_path)
-                source = "not on disk: figures shipped in recipe_hacpo/cluster/model_specs.json (the model's public config.json)"
-            shape = ModelShape.from_config(raw) if raw else None
+            shape, source = model_shape(s.model_path)
         plans.append(plan_agent(cfg, s, gpu_memory, shape))
         plans[-1].source = source if shape is not None else ""
 
