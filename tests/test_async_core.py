@@ -3,6 +3,8 @@ buffer, the capability series, and the loop in virtual time — manifests, lags,
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -292,3 +294,18 @@ def test_a_failing_agent_stops_the_wall_clock_run_with_its_error():
     with pytest.raises(RuntimeError, match="worker died"):
         WallClock({"a": "a", "b": "b"}, lambda r, t: shared.checkpoint_done(r) or 0.0).run(
             {n: agent_loop(agents[n], shared) for n in names})
+
+
+def test_the_prediction_benchmark_runs_on_the_recorded_demo(capsys):
+    import runpy
+    import sys
+
+    argv = sys.argv
+    sys.argv = ["async_prediction.py", "--steps", "4", "--pad-scale", "0.01"]
+    try:
+        runpy.run_path(str(Path(__file__).resolve().parents[1] / "benchmarks" / "async_prediction.py"), run_name="__main__")
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    assert "the recorded pair: 4 steps" in out and "1:3 pair (llama_pair's phases x3)" in out
+    assert "steps qwen_char" in out and "predicted by the virtual clock" in out
