@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -128,7 +129,8 @@ def test_your_own_task_trains_stops_resumes_and_evaluates_and_the_run_folder_kee
     # one wandb run across the stop, its steps contiguous in wandb's own files
     run_id = (ckpt / WANDB_ID_FILE).read_text()
     runs = sorted((tmp_path / "wb" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs), runs
+    # offline-run-<date>_<time>-<id>; wandb adds -1 when both processes started within one second
+    assert len(runs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", r.name) for r in runs), runs
     assert sorted(s for r in runs for s in _wandb_history_steps(r)) == [1, 2, 3]
 
     scored = []
@@ -236,7 +238,8 @@ def test_wandb_offline_continues_one_run_across_a_requeue(tmp_path, monkeypatch)
         metrics.finish()
     run_id = (tmp_path / "ckpt" / WANDB_ID_FILE).read_text()
     runs = sorted((tmp_path / "wb" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 2 and all(r.name.endswith(f"-{run_id}") for r in runs)
+    # offline-run-<date>_<time>-<id>; wandb adds -1 when both processes started within one second
+    assert len(runs) == 2 and all(re.fullmatch(rf"offline-run-\d{{8}}_\d{{6}}-{run_id}(-\d+)?", r.name) for r in runs)
     # wandb's service process may still be writing the last run's file when finish() returns
     deadline = time.monotonic() + 60
     while (steps := [s for r in runs for s in _wandb_history_steps(r)]) != [1, 2, 3] and time.monotonic() < deadline:
