@@ -21,7 +21,6 @@ of the trainer does not exist yet.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -30,34 +29,23 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from recipe_hacpo.asynchronous.buffer import RowBuffer  # noqa: E402
-from recipe_hacpo.asynchronous.capability import CapabilitySeries  # noqa: E402
 from recipe_hacpo.asynchronous.loop import Shared, agent_loop  # noqa: E402
-from recipe_hacpo.asynchronous.schedule import PromptSchedule  # noqa: E402
 from recipe_hacpo.asynchronous.simulate import SleepingAgent, costs_with_driver, simulate  # noqa: E402
 from recipe_hacpo.asynchronous.wall_clock import WallClock  # noqa: E402
-from recipe_hacpo.cluster.time_model import lockstep_step_time, recorded_phases  # noqa: E402
+from recipe_hacpo.cluster.time_model import lockstep_step_time, recorded_phases, recorded_training_steps  # noqa: E402
 
 
 def median_costs(path: str, skip_first: int = 1) -> tuple[dict[str, dict[str, float]], dict[str, float]]:
     """Median seconds per agent phase and per driver phase over a run's training steps."""
     agents: dict[str, dict[str, list[float]]] = {}
     driver: dict[str, list[float]] = {}
-    seen = 0
-    with open(path) as f:
-        for line in f:
-            data = json.loads(line).get("data", {})
-            if "timing_s/step" not in data:
-                continue
-            seen += 1
-            if seen <= skip_first:
-                continue
-            a, d, _ = recorded_phases(data)
-            for name, phases in a.items():
-                for phase, s in phases.items():
-                    agents.setdefault(name, {}).setdefault(phase, []).append(s)
-            for phase, s in d.items():
-                driver.setdefault(phase, []).append(s)
+    for _, data in recorded_training_steps(path)[skip_first:]:
+        a, d, _ = recorded_phases(data)
+        for name, phases in a.items():
+            for phase, s in phases.items():
+                agents.setdefault(name, {}).setdefault(phase, []).append(s)
+        for phase, s in d.items():
+            driver.setdefault(phase, []).append(s)
     med = statistics.median
     return ({n: {p: med(v) for p, v in ph.items()} for n, ph in agents.items()}, {p: med(v) for p, v in driver.items()})
 
@@ -87,8 +75,7 @@ def wall_clock_check(agents: dict[str, dict[str, float]], driver: dict[str, floa
     costs = {n: {p: s * scale for p, s in c.items()} for n, c in costs_with_driver(agents, driver).items()}
     predicted = simulate(costs, steps, stop="slowest")
     names = tuple(costs)
-    shared = Shared(PromptSchedule(names, 4), RowBuffer(names, 4), CapabilitySeries(names, 4, 0.01), steps,
-                    stop="slowest")
+    shared = Shared.start(names, steps, stop="slowest")
     start = time.perf_counter()
     tl = WallClock({n: n for n in names}).run({n: agent_loop(SleepingAgent(n, costs[n]), shared) for n in names})
     took = time.perf_counter() - start

@@ -197,12 +197,13 @@ def split_check(cfg: DictConfig, shapes: dict, gib: float):
     return check
 
 
-def time_plan(cfg: DictConfig, specs, plans, asynchronous=None, top: int = 5) -> str:
+def time_plan(cfg: DictConfig, specs, plans, asynchronous: bool = False, top: int = 5) -> str:
     """The time estimate `trainer.plan_only=true` prints after the memory plan
     (recipe_hacpo/cluster/time_model.py): each agent's seconds per phase, the driver's, the
     lockstep step, each pool's busy fraction, then the static GPU splits ranked by their lockstep
     step (the `top` fastest and the current one), each checked against the memory plan and the
-    batch checks. `asynchronous(split)`, if given, adds an asynchronous estimate per split."""
+    batch checks. With `asynchronous`, the asynchronous schedule's prediction for the current split
+    and for each ranked one (recipe_hacpo/asynchronous/simulate.py) is printed beside lockstep's."""
     from recipe_hacpo.cluster import time_model as tm
 
     if str(cfg.trainer.get("device", "cuda")) == "cpu":
@@ -245,8 +246,9 @@ def time_plan(cfg: DictConfig, specs, plans, asynchronous=None, top: int = 5) ->
             t = tm.estimate(cfg, specs, shapes, rows, split)
             return asynchronous_step_s(t.agents, t.driver, shared=t.shared)
 
+        current_s = by_split()
         lines.append(f"asynchronous agents (each its own loop, no barrier; recipe_hacpo/asynchronous/): "
-                     f"{_secs(by_split())} a step until both made 20 steps ({by_split() / step:.2f}x lockstep), "
+                     f"{_secs(current_s)} a step until both made 20 steps ({current_s / step:.2f}x lockstep), "
                      "a prediction of the schedule only: the trainer has no asynchronous mode yet")
     lines += _split_lines(cfg, specs, shapes, rows, by_split, top)
     return "\n".join(lines)

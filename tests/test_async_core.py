@@ -173,8 +173,7 @@ def _run(costs, steps, save_every, stop_at_checkpoint=None, state=None, start=0.
     it ends (like a kill after the save) once that round's checkpoint is written."""
     names = tuple(costs)
     shared = (Shared.from_state(state) if state is not None else
-              Shared(PromptSchedule(names, 4), RowBuffer(names, 4), CapabilitySeries(names, 4, 0.01), steps,
-                     stop="slowest", save_every=save_every))
+              Shared.start(names, steps, stop="slowest", save_every=save_every))
     saved = {}
 
     class Killed(Exception):
@@ -223,8 +222,7 @@ def test_any_costs_keep_the_manifest_invariants(factors, lag, window, shared_poo
     names = tuple(f"agent{i}" for i in range(len(factors)))
     costs = {n: scaled(f) for n, f in zip(names, factors)}
     steps = 5
-    shared = Shared(PromptSchedule(names, window), RowBuffer(names, lag), CapabilitySeries(names, 4, 0.01), steps,
-                    stop=stop, save_every=save_every)
+    shared = Shared.start(names, steps, window=window, max_source_lag=lag, stop=stop, save_every=save_every)
     agents = {n: SyntheticAgent(n) for n in names}
     pools = {n: ("one" if shared_pool else n) for n in names}
 
@@ -259,8 +257,7 @@ def test_the_wall_clock_runs_the_same_loop_with_threads():
     unit = {"gen": 0.01, "reward": 0.002, "old_log_prob": 0.005, "update_actor": 0.015, "update_weights": 0.002}
     costs = {"fast": unit, "slow": {k: 3 * v for k, v in unit.items()}}
     names = tuple(costs)
-    shared = Shared(PromptSchedule(names, 4), RowBuffer(names, 2), CapabilitySeries(names, 4, 0.01), 4,
-                    stop="slowest", save_every=2)
+    shared = Shared.start(names, 4, max_source_lag=2, stop="slowest", save_every=2)
     written = []
 
     def on_checkpoint(round_, t):
@@ -288,8 +285,7 @@ def test_a_failing_agent_stops_the_wall_clock_run_with_its_error():
             raise RuntimeError("agent b: worker died")
 
     names = ("a", "b")
-    shared = Shared(PromptSchedule(names, 4), RowBuffer(names, 4), CapabilitySeries(names, 4, 0.01), 3,
-                    stop="slowest", save_every=1)
+    shared = Shared.start(names, 3, stop="slowest", save_every=1)
     agents = {"a": SleepingAgent("a", {"gen": 0.001}), "b": Broken("b", {"gen": 0.002})}
     with pytest.raises(RuntimeError, match="worker died"):
         WallClock({"a": "a", "b": "b"}, lambda r, t: shared.checkpoint_done(r) or 0.0).run(

@@ -71,6 +71,15 @@ class Shared:
         if self.stop not in STOP_RULES:
             raise ValueError(f"trainer.async.stop must be one of {STOP_RULES}, got {self.stop!r}")
 
+    @classmethod
+    def start(cls, agents: tuple[str, ...], total_steps: int, *, window: int = 4, max_source_lag: int = 4,
+              capability_window: int = 4, capability_floor: float = 0.01, stop: str = "each",
+              save_every: int = 0) -> "Shared":
+        """The state of a run that has not stepped yet: nothing drawn, nothing published."""
+        return cls(schedule=PromptSchedule(agents, window), buffer=RowBuffer(agents, max_source_lag),
+                   capabilities=CapabilitySeries(agents, capability_window, capability_floor),
+                   total_steps=total_steps, stop=stop, save_every=save_every)
+
     @property
     def round(self) -> int:
         return min(self.buffer.versions.values())

@@ -1,7 +1,7 @@
 """Predict an asynchronous run from per-agent phase costs: the real loop in virtual time with
 synthetic agents (no model, no data), so what it reports is the schedule's own behaviour.
-
-    python -m recipe_hacpo.asynchronous.simulate --cost a=gen:1,update_actor:2 --cost b=gen:3,update_actor:6 --steps 20
+`trainer.plan_only=true` (per GPU split, from the time model's phases) and
+benchmarks/async_prediction.py (from a recorded run's phases) print its predictions.
 
 `simulate` returns the virtual wall time to the stop rule, each pool's busy fraction, steps per
 agent, and the consumption manifest (lags, joint or cross-only groups).
@@ -9,18 +9,13 @@ agent, and the consumption manifest (lags, joint or cross-only groups).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import time
 from dataclasses import dataclass, field
 
-from recipe_hacpo.asynchronous.buffer import Entry, RowBuffer, Taken
-from recipe_hacpo.asynchronous.capability import CapabilitySeries
+from recipe_hacpo.asynchronous.buffer import Entry, Taken
 from recipe_hacpo.asynchronous.loop import Shared, agent_loop
-from recipe_hacpo.asynchronous.schedule import PromptSchedule
 from recipe_hacpo.asynchronous.virtual_clock import Timeline, VirtualClock
-
-PHASES = ("gen", "reward", "old_log_prob", "update_actor", "update_weights")
 
 
 @dataclass
@@ -100,8 +95,7 @@ def simulate(costs: dict[str, dict[str, float]], steps: int, *, pools: dict[str,
     """The asynchronous run of agents with these phase costs (seconds) until the stop rule."""
     names = tuple(costs)
     pools = pools or {n: n for n in names}
-    shared = Shared(schedule=PromptSchedule(names, window), buffer=RowBuffer(names, max_source_lag),
-                    capabilities=CapabilitySeries(names, window=4, floor=0.01), total_steps=steps, stop=stop)
+    shared = Shared.start(names, steps, window=window, max_source_lag=max_source_lag, stop=stop)
     agents = {n: SyntheticAgent(n) for n in names}
     loops = {n: agent_loop(agents[n], shared) for n in names}
     clock = VirtualClock(lambda agent, phase: float(costs[agent].get(phase, 0.0)), pools)
@@ -125,38 +119,3 @@ def asynchronous_step_s(agent_phases: dict[str, dict[str, float]], driver: dict[
     p = simulate(costs_with_driver(agent_phases, driver), steps, pools=pools, max_source_lag=max_source_lag,
                  window=window, stop="each")
     return p.timeline.end / steps
-
-
-def _parse_cost(text: str) -> tuple[str, dict[str, float]]:
-    name, _, phases = text.partition("=")
-    out = {}
-    for part in phases.split(","):
-        phase, _, seconds = part.partition(":")
-        if phase not in PHASES:
-            raise SystemExit(f"--cost {text}: unknown phase {phase!r}; phases are {', '.join(PHASES)}")
-        out[phase] = float(seconds)
-    return name, out
-
-
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cost", action="append", required=True, help="AGENT=phase:seconds,... (one per agent)")
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--max-source-lag", type=int, default=4)
-    ap.add_argument("--window", type=int, default=4)
-    ap.add_argument("--stop", default="slowest")
-    args = ap.parse_args(argv)
-    costs = dict(_parse_cost(c) for c in args.cost)
-    p = simulate(costs, args.steps, max_source_lag=args.max_source_lag, window=args.window, stop=args.stop)
-    lockstep = args.steps * sum(max(c.get(ph, 0.0) for c in costs.values()) for ph in PHASES)
-    print(f"asynchronous: {p.timeline.end:.2f} s virtual; lockstep {lockstep:.2f} s ({p.timeline.end / lockstep:.2f}x)")
-    for name in costs:
-        print(f"  {name}: {p.steps[name]} steps, pool busy {100 * p.busy()[p.pools[name]]:.0f} %")
-    lags = p.lags()
-    if lags:
-        print(f"  cross entries {len(lags)}, lag mean {sum(lags) / len(lags):.2f} max {max(lags)}, "
-              f"joint {sum(t.joint for t in p.manifest) / len(lags):.0%}, evicted stale {p.evicted_stale}")
-
-
-if __name__ == "__main__":
-    main()

@@ -29,6 +29,19 @@ class Timeline:
     step_ends: dict[str, list[float]] = field(default_factory=dict)  # virtual time each update ended
     checkpoints: list[tuple[int, float]] = field(default_factory=list)  # (round, virtual time)
 
+    @classmethod
+    def for_agents(cls, names: list[str], pools: dict[str, str]) -> "Timeline":
+        return cls(pool_busy={p: 0.0 for p in set(pools.values())}, agent_busy={n: 0.0 for n in names},
+                   pool_wait={n: 0.0 for n in names}, checkpoint_wait={n: 0.0 for n in names},
+                   step_ends={n: [] for n in names})
+
+    def device_work(self, agent: str, pool: str, phase: str, took: float, end: float) -> None:
+        """`agent` held `pool` for `took` seconds in `phase`, until `end`."""
+        self.pool_busy[pool] += took
+        self.agent_busy[agent] += took
+        if phase == "update_actor":
+            self.step_ends[agent].append(end)
+
     def busy_fraction(self, pool: str) -> float:
         return self.pool_busy.get(pool, 0.0) / self.end if self.end > 0 else 0.0
 
@@ -42,9 +55,7 @@ class VirtualClock:
 
     def run(self, loops: dict[str, Iterator[Work | Park]]) -> Timeline:
         names = list(loops)
-        tl = Timeline(pool_busy={p: 0.0 for p in set(self.pools.values())},
-                      agent_busy={n: 0.0 for n in names}, pool_wait={n: 0.0 for n in names},
-                      checkpoint_wait={n: 0.0 for n in names}, step_ends={n: [] for n in names})
+        tl = Timeline.for_agents(names, self.pools)
         pool_free = {p: self.start for p in tl.pool_busy}
         queue: list[tuple[float, int, str]] = []
         seq = 0
@@ -114,12 +125,8 @@ class VirtualClock:
                 raise ValueError(f"agent {name!r}: phase {work.phase} has a negative cost {duration}")
             end = t + duration
             if work.kind == "device":
-                pool = self.pools[name]
-                pool_free[pool] = end
-                tl.pool_busy[pool] += duration
-                tl.agent_busy[name] += duration
-            if work.phase == "update_actor":
-                tl.step_ends[name].append(end)
+                pool_free[self.pools[name]] = end
+                tl.device_work(name, self.pools[name], work.phase, duration, end)
             now = max(now, end)
             advance(name, end)
         tl.end = now

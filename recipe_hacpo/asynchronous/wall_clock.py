@@ -25,9 +25,7 @@ class WallClock:
 
     def run(self, loops: dict[str, Iterator[Work | Park]]) -> Timeline:
         names = list(loops)
-        tl = Timeline(pool_busy={p: 0.0 for p in set(self.pools.values())}, agent_busy={n: 0.0 for n in names},
-                      pool_wait={n: 0.0 for n in names}, checkpoint_wait={n: 0.0 for n in names},
-                      step_ends={n: [] for n in names})
+        tl = Timeline.for_agents(names, self.pools)
         pool_locks = {p: threading.Lock() for p in tl.pool_busy}
         state_lock = threading.Lock()
         meeting = threading.Condition()
@@ -106,10 +104,7 @@ class WallClock:
             start = time.perf_counter()
             tl.pool_wait[name] += start - asked
             out = work.run()
-            took = time.perf_counter() - start
-        tl.pool_busy[self.pools[name]] += took
-        tl.agent_busy[name] += took
-        if work.phase == "update_actor":
-            tl.step_ends[name].append(time.perf_counter() - t0)
+            end = time.perf_counter()
+        tl.device_work(name, self.pools[name], work.phase, end - start, end - t0)
         return out
 

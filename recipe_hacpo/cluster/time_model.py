@@ -484,16 +484,20 @@ def check_recorded_run(path: str, skip_first: int = 1, shared: frozenset[str] = 
     train_step only (validation and checkpoints come after it), so no step is excluded for them.
     `shared`: the agents that shared a pool in that run."""
     report = RecordedCheck(path=path)
-    with open(path, encoding="utf-8") as f:
-        records = [json.loads(line) for line in f if line.strip()]
-    steps = [r for r in records if "timing_s/step" in r["data"]]
-    for i, r in enumerate(sorted(steps, key=lambda r: r["step"])):
-        if i < skip_first:
-            report.skipped.append(int(r["step"]))
-            continue
-        agents, driver, measured = recorded_phases(r["data"])
-        report.steps.append(RecordedStep(step=int(r["step"]), predicted_s=lockstep_step_time(agents, driver, shared),
+    steps = recorded_training_steps(path)
+    report.skipped = [step for step, _ in steps[:skip_first]]
+    for step, data in steps[skip_first:]:
+        agents, driver, measured = recorded_phases(data)
+        report.steps.append(RecordedStep(step=step, predicted_s=lockstep_step_time(agents, driver, shared),
                                          measured_s=measured, barrier_s=barrier_s(agents, shared)))
     if not report.steps:
         raise ValueError(f"{path}: no training step with timing_s/step after the first {skip_first}")
     return report
+
+
+def recorded_training_steps(path: str) -> list[tuple[int, dict]]:
+    """(step, metrics) of every training step of a metrics.jsonl ({"step", "data"} a line), in
+    step order; lines without timing_s/step (step 0's validation) are not training steps."""
+    with open(path, encoding="utf-8") as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    return sorted(((int(r["step"]), r["data"]) for r in records if "timing_s/step" in r["data"]), key=lambda sd: sd[0])
