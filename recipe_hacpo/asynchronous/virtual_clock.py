@@ -60,7 +60,6 @@ class VirtualClock:
         queue: list[tuple[float, int, str]] = []
         seq = 0
         pending: dict[str, Work | None] = {n: None for n in names}
-        started: dict[str, bool] = {n: False for n in names}
         parked: dict[str, float] = {}  # agent -> virtual time it reached the checkpoint's step boundary
         parked_round = [0]
         finished: set[str] = set()
@@ -75,12 +74,11 @@ class VirtualClock:
         def advance(name: str, t: float) -> None:
             """Hand the last result to `name`'s loop and schedule what it yields next at `t`."""
             try:
-                nxt = next(loops[name]) if not started[name] else loops[name].send(result[name])
+                nxt = loops[name].send(result[name])  # None first: a fresh generator takes only None
             except StopIteration:
                 finished.add(name)
                 pending[name] = None
                 return
-            started[name] = True
             if isinstance(nxt, Park):
                 parked[name] = t
                 parked_round[0] = nxt.round
