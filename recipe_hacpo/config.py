@@ -150,9 +150,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     from recipe_hacpo.exchange.jobs import exchange_workers
 
     exchange_workers(cfg.trainer.get("exchange_workers"), len(specs))  # one line if not a thread count
-    _validate_batches(cfg, specs)
-    if hacpo.shares:
-        _validate_mixed_mini_batches(cfg, specs)
+    _validate_layout(cfg, specs, hacpo.shares)
     _validate_pools(cfg, specs)
     _validate_gpu_memory(cfg, specs)
     _validate_vllm_on_cpu(cfg, specs)
@@ -447,8 +445,14 @@ def validate_gpu_counts(cfg: DictConfig, specs: list[AgentSpec]) -> None:
 
     hacpo = hacpo_settings(cfg)
     method_for(hacpo.mode).validate(specs, hacpo, {s.name: data_parallel_world(cfg, s) for s in specs})
+    _validate_layout(cfg, specs, hacpo.shares)
+
+
+def _validate_layout(cfg: DictConfig, specs: list[AgentSpec], shares: bool) -> None:
+    """How each agent's rows split over its GPUs: batches and micro-batches, and whole prompt
+    groups per data-parallel rank when agents share rows."""
     _validate_batches(cfg, specs)
-    if hacpo.shares:
+    if shares:
         _validate_mixed_mini_batches(cfg, specs)
 
 
