@@ -459,15 +459,7 @@ class RowConverter:
             if len(r) > self.max_response_length:
                 responses[i], masks[i] = r[: self.max_response_length], masks[i][: self.max_response_length]
                 done[i] = False
-        layout = pack_rows(
-            prompts,
-            responses,
-            pad_id=self.pad_id,
-            prompt_width=self.max_prompt_length,
-            response_width=self.max_response_length,
-            response_masks=masks,
-        )
-        return layout, done
+        return self._pack(prompts, responses, masks), done
 
     def _retokenize(
         self, batch: DataProto, finished: np.ndarray, texts: Sequence[str] | None = None
@@ -488,14 +480,12 @@ class RowConverter:
             for i, messages in enumerate(batch.non_tensor_batch["raw_prompt"])
         ]
         responses, done = self.encode_responses(texts, finished)
-        layout = pack_rows(
-            prompts,
-            responses,
-            pad_id=self.pad_id,
-            prompt_width=self.max_prompt_length,
-            response_width=self.max_response_length,
-        )
-        return layout, done
+        return self._pack(prompts, responses), done
+
+    def _pack(self, prompts, responses, masks=None) -> dict[str, torch.Tensor]:
+        """The learner's rollout layout at its widths (`pack_rows`)."""
+        return pack_rows(prompts, responses, pad_id=self.pad_id, prompt_width=self.max_prompt_length,
+                         response_width=self.max_response_length, response_masks=masks)
 
 
 def exchange_batch(

@@ -432,6 +432,20 @@ def to_accumulation_dtype(x: torch.Tensor) -> torch.Tensor:
     return x.to(accumulation_dtype(x.dtype))
 
 
+def token_loss_inputs(log_prob: torch.Tensor, old_log_prob: torch.Tensor,
+                      response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(log_prob, old_log_prob, mask) of a per-token loss, all [B, T] (checked) and in
+    `accumulation_dtype(log_prob.dtype)`; old log-probs only ever promoted, the mask in log_prob's dtype."""
+    if log_prob.shape != old_log_prob.shape or log_prob.shape != response_mask.shape:
+        raise ValueError(
+            f"log_prob {tuple(log_prob.shape)}, old_log_prob {tuple(old_log_prob.shape)} and "
+            f"response_mask {tuple(response_mask.shape)} must all be [B, T]"
+        )
+    log_prob = to_accumulation_dtype(log_prob)
+    old_log_prob = old_log_prob.to(torch.promote_types(old_log_prob.dtype, log_prob.dtype))
+    return log_prob, old_log_prob, response_mask.to(log_prob.dtype)
+
+
 def _masked_row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of x over each row's masked tokens, [B, T] → [B] (0 for an empty row)."""
     return (x * mask).sum(dim=-1) / mask.sum(dim=-1).clamp(min=1)
@@ -495,14 +509,7 @@ def hacpo_policy_loss_matrix(
         raise ValueError(f"cross_ratio_length must be one of {CROSS_RATIO_LENGTHS}, got {cross_ratio_length!r}")
     if cross_ratio_length == "source" and source_response_length is None:
         raise ValueError("cross_ratio_length='source' needs source_response_length (|y^(j)| per row)")
-    if log_prob.shape != old_log_prob.shape or log_prob.shape != response_mask.shape:
-        raise ValueError(
-            f"log_prob {tuple(log_prob.shape)}, old_log_prob {tuple(old_log_prob.shape)} and "
-            f"response_mask {tuple(response_mask.shape)} must all be [B, T]"
-        )
-    log_prob = to_accumulation_dtype(log_prob)
-    old_log_prob = old_log_prob.to(torch.promote_types(old_log_prob.dtype, log_prob.dtype))
-    mask = response_mask.to(log_prob.dtype)
+    log_prob, old_log_prob, mask = token_loss_inputs(log_prob, old_log_prob, response_mask)
     is_cross = torch.as_tensor(is_cross, device=log_prob.device).to(torch.bool).reshape(-1)
     omega = torch.as_tensor(omega, device=log_prob.device).to(log_prob.dtype).reshape(-1)
     source_lp = torch.as_tensor(source_log_prob_mean, device=log_prob.device).to(log_prob.dtype).reshape(-1)

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from recipe_hacpo.methods.core_algos import to_accumulation_dtype
+from recipe_hacpo.methods.core_algos import to_accumulation_dtype, token_loss_inputs
 from recipe_hacpo.hacpo_settings import GRAFT_RATIO_LEVELS, PEER_ORDERS
 from recipe_hacpo.methods.groups import grpo_advantage
 from recipe_hacpo.methods.minibatch import check_split, prompt_groups, prompt_permutation, verl_layout
@@ -255,15 +255,8 @@ def graft_policy_loss_matrix(
     """
     if ratio_level not in GRAFT_RATIO_LEVELS:
         raise ValueError(f"ratio_level must be one of {GRAFT_RATIO_LEVELS}, got {ratio_level!r}")
-    if log_prob.shape != old_log_prob.shape or log_prob.shape != response_mask.shape:
-        raise ValueError(
-            f"log_prob {tuple(log_prob.shape)}, old_log_prob {tuple(old_log_prob.shape)} and "
-            f"response_mask {tuple(response_mask.shape)} must all be [B, T]"
-        )
-    log_prob = to_accumulation_dtype(log_prob)
-    old_log_prob = old_log_prob.to(torch.promote_types(old_log_prob.dtype, log_prob.dtype))
+    log_prob, old_log_prob, mask = token_loss_inputs(log_prob, old_log_prob, response_mask)
     advantages = advantages.to(torch.promote_types(advantages.dtype, log_prob.dtype))
-    mask = response_mask.to(log_prob.dtype)
     adv = advantages if advantages.dim() == 2 else advantages.unsqueeze(-1).expand_as(log_prob)
     w = torch.as_tensor(weight, device=log_prob.device).to(log_prob.dtype).reshape(-1, 1)
     grafted = torch.as_tensor(is_grafted, device=log_prob.device).to(torch.bool).reshape(-1)
