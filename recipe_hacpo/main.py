@@ -35,7 +35,10 @@ def prepare(cfg: DictConfig):
     """Everything that can be checked without Ray: returns (specs, hacpo settings)."""
     from recipe_hacpo.training.scoring import load_reward_fn
 
+    from recipe_hacpo.training.async_trainer import validate_async
+
     specs, hacpo = validate(cfg)
+    validate_async(cfg, specs, hacpo)
     check_data(cfg)
     load_reward_fn(cfg)  # a missing file or function fails here, not after the workers start
     check_resume_layout(cfg, specs)
@@ -332,6 +335,7 @@ def _train(cfg: DictConfig, specs, hacpo, preemption, metrics, started: float) -
     from verl.utils import hf_tokenizer
 
     from recipe_hacpo.cluster.preemption import StopSignals, shield_children
+    from recipe_hacpo.training.async_trainer import AsyncHacpoTrainer, AsyncSettings
     from recipe_hacpo.training.trainer import HacpoTrainer
 
     # from here on SIGUSR1 / SIGTERM ask for a stop at the next safe point
@@ -345,7 +349,9 @@ def _train(cfg: DictConfig, specs, hacpo, preemption, metrics, started: float) -
     with shield_children():
         start_ray(cfg)
         signals.install()
-    trainer = HacpoTrainer(cfg, specs, hacpo)
+    settings = AsyncSettings.from_config(cfg.trainer)
+    # agents that do not wait for each other (trainer.async.enable), or the lockstep step
+    trainer = AsyncHacpoTrainer(cfg, specs, hacpo, settings) if settings.enable else HacpoTrainer(cfg, specs, hacpo)
     trainer.stop_signals = signals
     trainer.started_at = started
     print(f"hacpo: starting the workers of {len(specs)} agents ({', '.join(s.name for s in specs)})", flush=True)

@@ -66,6 +66,10 @@ class Shared:
     saved_round: int = 0  # newest round with a joint checkpoint
     requested: int | None = None  # a joint checkpoint wanted at this round
     metrics: list[tuple[str, int, dict]] = field(default_factory=list)  # (agent, version, metrics)
+    # not checkpointed, set by the run: agents also meet every that many rounds (validation), and
+    # at the next step boundaries once `stop_wanted()` says so (a stop to be resumed)
+    validate_every: int = 0
+    stop_wanted: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
         if self.stop not in STOP_RULES:
@@ -88,7 +92,10 @@ class Shared:
         """At `agent`'s step boundary: "step", "stop", or Park for a joint checkpoint."""
         if self.requested is None:
             r = self.round
-            if self.save_every > 0 and r > self.saved_round and r % self.save_every == 0 and r < self.total_steps:
+            due = any(every > 0 and r % every == 0 for every in (self.save_every, self.validate_every))
+            if due and r > self.saved_round and r < self.total_steps:
+                self.requested = r
+            elif self.stop_wanted is not None and self.stop_wanted():
                 self.requested = r
         if self.requested is not None:
             return Park(self.requested)
@@ -98,6 +105,7 @@ class Shared:
         return "step" if self.round < self.total_steps else "stop"
 
     def checkpoint_done(self, round_: int) -> None:
+        """The agents met at `round_` (a joint checkpoint, a validation, or both)."""
         self.saved_round, self.requested = round_, None
 
     def state_dict(self) -> dict:

@@ -44,7 +44,12 @@ class WallClock:
                 return
             if parked and parked >= live:
                 if self.on_checkpoint is not None:
-                    self.on_checkpoint(round_, time.perf_counter() - t0)
+                    try:
+                        self.on_checkpoint(round_, time.perf_counter() - t0)
+                    except BaseException as exc:  # also where the last agent to finish called it
+                        errors.append(exc)
+                        meeting.notify_all()
+                        return
                 tl.checkpoints.append((round_, time.perf_counter() - t0))
                 parked.clear()
                 generation[0] += 1

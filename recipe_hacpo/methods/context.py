@@ -18,6 +18,9 @@ name and then by the metric's name below `agent/<name>/` (the trainer adds that 
                            (None where it asked for none); timed as `timing_s/<phase>`
     recorded_peer(live)    the recorded peer of a replay for this step and prompts
                            (`RecordedRows`, rewards attached); None when nothing is replayed
+    learners               the agents whose learner batches to build (None: every agent); an
+                           asynchronous run builds one learner's at a time, from its own rows and
+                           the peer rows it took (a peer may be missing, or answer another batch)
 """
 
 from __future__ import annotations
@@ -57,10 +60,16 @@ class StepContext:
     convert: Callable[..., "DataProto"]
     old_log_probs_of_rows: Callable[..., dict]
     recorded_peer: Callable[["DataProto"], RecordedRows] | None = None
+    learners: tuple[str, ...] | None = None
 
     @property
     def names(self) -> list[str]:
         return [s.name for s in self.specs]
+
+    @property
+    def learner_specs(self) -> tuple["AgentSpec", ...]:
+        """The agents whose learner batches this step builds."""
+        return self.specs if self.learners is None else tuple(s for s in self.specs if s.name in self.learners)
 
     def metrics(self) -> AgentMetrics:
         """An empty per-agent metrics map, one entry per agent."""

@@ -181,12 +181,12 @@ class Hacpo(Method):
         # whose rows enter the loss (None: every peer row, the methods as published)
         selection = complementary_sources(ctx, rollouts) if settings.selects_complementary else None
         batches = {}
-        for learner in ctx.specs:
+        for learner in ctx.learner_specs:
             mine = metrics[learner.name]
             parts = [tag_rows(rollouts[learner.name], source=learner.index, cross=False, omega=1.0)]
             if self.shares:
                 for src in ctx.specs:
-                    if src.name == learner.name:
+                    if src.name == learner.name or src.name not in rollouts:  # asynchronous: a peer not taken
                         continue
                     converted = ctx.convert(src.name, learner.name, rollouts[src.name])
                     omega = capability_ratio(caps, src.index, learner.index, settings.omega_clip)
@@ -205,7 +205,7 @@ class Hacpo(Method):
 
     def advantages(self, ctx: StepContext, batches: dict[str, DataProto]) -> AgentMetrics:
         settings, caps, metrics = ctx.settings, ctx.capabilities, ctx.metrics()
-        for learner in ctx.specs:
+        for learner in ctx.learner_specs:
             batch = batches[learner.name]
             group = (batch.batch[K.REWARD], batch.non_tensor_batch["uid"], batch.batch[K.SOURCE], learner.index, caps)
             # share_selection=complementary: the group statistics run over the selected rows only

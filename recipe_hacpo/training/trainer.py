@@ -94,6 +94,8 @@ class HacpoTrainer:
     # the last validation's (input, output, score) per agent, kept until logged; with
     # trainer.log_val_generations > 0 only
     val_samples: dict = {}
+    # agents that do not wait for each other (async_trainer.py): its checkpoints differ
+    asynchronous: bool = False
 
     @property
     def method(self) -> Method:
@@ -453,14 +455,18 @@ class HacpoTrainer:
             lambda a: a.update(batches[a.spec.name], method.rows_per_prompt(self.specs, a.spec, self.hacpo), order=order),
             phase="update_actor",
         )
-        groups = ("actor/", "hacpo/", *method.metric_groups)
         for name, agent_metrics in out.items():
-            agent_metrics.update(check_update_metrics(name, agent_metrics))
-            agent_metrics.update(method.step_metrics(agent_metrics))
-            for key, value in agent_metrics.items():
-                # verl's worker reports loss, grad_norm, lr, perf/... bare; group them under actor/
-                group = key if key.startswith(groups) else f"actor/{key}"
-                metrics[f"agent/{name}/{group}"] = value
+            metrics.update({f"agent/{name}/{k}": v for k, v in self.update_metrics(name, agent_metrics).items()})
+
+    def update_metrics(self, name: str, agent_metrics: dict[str, float]) -> dict[str, float]:
+        """One agent's update metrics, checked, with the method's step figures, named below
+        agent/<name>/: verl's worker reports loss, grad_norm, lr, perf/... bare, kept under actor/."""
+        method = self.method
+        groups = ("actor/", "hacpo/", *method.metric_groups)
+        agent_metrics = dict(agent_metrics)
+        agent_metrics.update(check_update_metrics(name, agent_metrics))
+        agent_metrics.update(method.step_metrics(agent_metrics))
+        return {key if key.startswith(groups) else f"actor/{key}": value for key, value in agent_metrics.items()}
 
     def log_rollouts(self, root: str, batches: dict[str, DataProto]) -> None:
         """`trainer.rollout_data_dir`: each learner's rows of the step, with the ratio and clip
@@ -547,9 +553,10 @@ class HacpoTrainer:
         tmp = final + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp, exist_ok=True)
+        agent_steps = state.get("agent_steps", {})  # asynchronous agents: each at its own version
         for name, agent in self.agents.items():
             try:
-                agent.save(os.path.join(tmp, name), step)
+                agent.save(os.path.join(tmp, name), int(agent_steps.get(name, step)))
             except Exception as exc:
                 # the temp dir stays torn and is never published; the previous checkpoint stays latest
                 raise AgentError(name, f"checkpoint of step {step} failed: {describe_failure(exc)}") from exc
@@ -576,9 +583,15 @@ class HacpoTrainer:
             raise CheckpointError(f"checkpoint {path}: {STATE_FILE} unreadable ({type(exc).__name__}: {exc})") from exc
         if state["agents"] != names:
             raise CheckpointError(f"checkpoint {path}: agents {state['agents']} differ from this run's {names}")
+        if ("async" in state) != self.asynchronous:
+            written, resume = ("an asynchronous", "true") if "async" in state else ("a lockstep", "false")
+            raise CheckpointError(f"checkpoint {path}: written by {written} run; resume it with trainer.async.enable={resume}")
+        agent_steps = state.get("agent_steps", {})
         for name, agent in self.agents.items():
-            agent.load(os.path.join(path, name), int(state["global_step"]))
-        self.tracker.load_state_dict(state["tracker"])
+            agent.load(os.path.join(path, name), int(agent_steps.get(name, state["global_step"])))
+        self.loaded_state = state
+        if not self.asynchronous:  # an asynchronous run's capabilities are its own (AsyncHacpoTrainer)
+            self.tracker.load_state_dict(state["tracker"])
         self.train_dataloader.load_state_dict(state["dataloader"])
         torch.set_rng_state(state["torch_rng"])
         np.random.set_state(state["numpy_rng"])

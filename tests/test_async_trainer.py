@@ -1,0 +1,151 @@
+"""Asynchronous agents (`trainer.async.enable=true`) through Ray on CPU, hf backend, the demo pair.
+
+- Equal step costs on the virtual clock: the run equals the lockstep trainer metric for metric
+  (conftest.py's `hacpo_pair_reference`, the same pair, data and seeds).
+- A 1 : 3 cost pair on the virtual clock: the fast agent makes more steps, every take's lag is
+  within K, groups of the slow agent's older rows are padded to the joint layout; a run stopped
+  after its first joint checkpoint and resumed ends where the uninterrupted run ends.
+- What it cannot run is refused before Ray, in one line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers.e2e import HACPO_PAIR_KINDS, HACPO_PAIR_RUN, REPO, agent_overrides, run_main, train_steps
+
+from recipe_hacpo import batch_keys as K
+
+pytestmark = [pytest.mark.e2e, pytest.mark.ray]
+
+NAMES = ["qwen_char", "llama_pair"]
+VIRTUAL = ["trainer.async.enable=true", "trainer.async.clock=virtual"]
+# what only the asynchronous run reports, or what differs by construction (timings)
+NOT_COMPARED = ("/async/", "timing_s/", "/perf/")
+
+
+def compared(metrics: dict) -> dict:
+    return {k: v for k, v in metrics.items()
+            if k.startswith("agent/") and not any(part in k for part in NOT_COMPARED) and "/val/" not in k}
+
+
+def test_equal_costs_equal_the_lockstep_trainer_metric_for_metric(tmp_path, warm_agent_paths, hacpo_pair_reference):
+    _, lockstep = hacpo_pair_reference
+    records = run_main(str(tmp_path), agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS) + HACPO_PAIR_RUN + VIRTUAL
+                       + ["trainer.save_freq=2"])
+    steps = train_steps(records)
+    assert sorted(steps) == [1, 2, 3]
+    for step in (1, 2, 3):
+        got, want = compared(steps[step]), compared(lockstep[step])
+        # rewards, capabilities, ω, advantages, losses, clip fractions, grad norms of both agents
+        assert len(want) >= 60 and set(want) == set(got), (step, sorted(set(want) ^ set(got)))
+        for key, value in want.items():
+            assert math.isclose(got[key], value, rel_tol=1e-5, abs_tol=1e-7), (step, key, got[key], value)
+        for name in NAMES:
+            # every take was the peer's rows of the same batch, sampled by the peer's current version
+            assert steps[step][f"agent/{name}/async/joint_frac"] == 1.0
+            assert steps[step][f"agent/{name}/async/cross_lag_max"] == 0.0
+            assert steps[step][f"agent/{name}/async/filler_rows"] == 0.0
+            assert steps[step][f"agent/{name}/async/version"] == step
+    # the joint checkpoint of round 2 and the last one (round 3), each agent at its own version
+    assert os.path.isdir(tmp_path / "ckpt" / "global_step_2" / "qwen_char")
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "3"
+
+
+def _unequal_overrides(out, warm_agent_paths) -> list[str]:
+    """The demo pair at a 1 : 3 step cost on the virtual clock, until the slow agent made 3 steps."""
+    return (agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS)
+            + ["trainer.total_training_steps=3", "trainer.test_freq=-1", "trainer.val_before_train=false",
+               "trainer.resume_mode=auto", *VIRTUAL, "+trainer.async.virtual_step_s.llama_pair=3.0",
+               "trainer.async.stop=slowest", "trainer.async.max_source_lag=2", "trainer.save_freq=1",
+               f"trainer.learner_batch_dir={out}/batches"])
+
+
+def test_a_one_to_three_pair_trains_pads_and_resumes_where_it_would_have_ended(tmp_path, warm_agent_paths):
+    from verl import DataProto
+
+    full = run_main(str(tmp_path / "full"), _unequal_overrides(tmp_path / "full", warm_agent_paths))
+    steps = train_steps(full)
+    last = full[-1]["data"]
+    fast, slow = last["agent/qwen_char/async/steps"], last["agent/llama_pair/async/steps"]
+    # stop=slowest: the slow agent made 3 steps, the fast one about 3 per slow one meanwhile
+    assert slow == 3 and fast >= 7, (fast, slow)
+    assert last["agent/qwen_char/async/pool_busy_frac"] > last["agent/llama_pair/async/pool_busy_frac"] * 0.9
+    lags = [d[f"agent/{n}/async/cross_lag_max"] for d in steps.values() for n in NAMES if f"agent/{n}/async/cross_lag_max" in d]
+    assert lags and max(lags) <= 2
+    for data in steps.values():
+        for n in NAMES:
+            if f"agent/{n}/actor/pg_loss" in data:
+                assert math.isfinite(data[f"agent/{n}/actor/pg_loss"])
+    # some learner batch of the fast agent held a group of the slow agent's rows only, padded with
+    # rows of its own part that carry no token, no advantage and no place in the statistics
+    padded = 0
+    for step in range(1, int(fast) + 1):
+        path = tmp_path / "full" / "batches" / f"step_{step}" / "qwen_char.pkl"
+        batch = DataProto.load_from_disk(str(path))
+        if K.SELECTED not in batch.batch.keys():
+            continue
+        filler = ~batch.batch[K.SELECTED]
+        padded += int(filler.sum())
+        assert not bool(batch.batch["response_mask"][filler].any())
+        assert not bool(batch.batch["advantages"][filler].any())
+        # every prompt group has the joint size (4 own + 4 cross rows)
+        uids = batch.non_tensor_batch["uid"].tolist()
+        assert {uids.count(u) for u in set(uids)} == {8}
+    assert padded > 0
+
+    # the same run SIGKILLed (its whole process group) a random moment after its first joint
+    # checkpoint, then resumed: it ends where the uninterrupted run ends, on the same metrics
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    latest = killed / "ckpt" / "latest_checkpointed_iteration.txt"
+    log = open(killed / "log.txt", "w")
+    env = dict(os.environ, VERL_FILE_LOGGER_PATH=str(killed / "metrics.jsonl"), HACPO_DATA_DIR=os.path.join(REPO, "data"))
+    cmd = [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", "trainer.logger=[console,file]",
+           f"trainer.default_local_dir={killed}/ckpt", f"hydra.run.dir={killed}/hydra", "trainer.progress_bar=false",
+           *_unequal_overrides(killed, warm_agent_paths)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    deadline = time.monotonic() + 900
+    try:
+        while not (latest.exists() and latest.read_text().strip() == "1") and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert latest.exists(), open(killed / "log.txt").read()[-4000:]
+        time.sleep(random.uniform(0.0, 3.0))
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        log.close()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed"
+    resumed = run_main(str(killed), _unequal_overrides(killed, warm_agent_paths))
+    end = resumed[-1]["data"]
+    for key in ("agent/qwen_char/async/steps", "agent/llama_pair/async/steps", "async/end_s"):
+        assert end[key] == last[key], (key, end[key], last[key])
+    got = train_steps(resumed)
+    for step in sorted(steps):
+        want = compared(steps[step])
+        assert want and compared(got[step]).keys() == want.keys(), step
+        for key, value in want.items():
+            assert math.isclose(got[step][key], value, rel_tol=1e-5, abs_tol=1e-7), (step, key, got[step][key], value)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["agents.qwen_char.n_gpus_per_node=0", "agents.llama_pair.n_gpus_per_node=0", "trainer.n_gpus_per_node=1"],
+     "every agent is on the shared pool"),
+    (["algorithm.hacpo.mode=graft"], "mode=graft does not run asynchronously yet"),
+    (["trainer.async.clock=sundial"], "trainer.async.clock: 'sundial' is not one of"),
+    (["trainer.async.virtual_step_s.nobody=2"], "trainer.async.virtual_step_s.nobody: no such agent"),
+])
+def test_what_it_cannot_run_is_refused_before_ray(tmp_path, warm_agent_paths, overrides, message):
+    cmd = [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", *VIRTUAL,
+           *agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS), *overrides, f"hydra.run.dir={tmp_path}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert message in proc.stderr
+    assert "ray" not in proc.stdout.lower()
