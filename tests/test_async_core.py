@@ -79,6 +79,15 @@ def test_take_prefers_the_peer_rows_of_the_learners_own_batch():
     assert buf.take("a", 9, learner_version=4) == []  # each entry once per learner
 
 
+def test_a_joint_only_take_leaves_the_peers_other_batches():
+    """GRAFT and SGT compare answers to the same prompts: they take a peer's rows of their own batch only."""
+    buf = RowBuffer(("a", "b"), max_source_lag=4)
+    buf.publish(Entry("b", 4, 0, 0.5))
+    assert buf.take("a", 9, learner_version=0, joint_only=True) == []
+    (got,) = buf.take("a", 4, learner_version=1, joint_only=True)
+    assert (got.batch, buf.manifest[-1].joint) == (4, True)
+
+
 def test_entries_older_than_the_lag_bound_are_never_taken_and_are_counted():
     buf = RowBuffer(("a", "b"), max_source_lag=1)
     buf.publish(Entry("b", 0, 0, 0.5))

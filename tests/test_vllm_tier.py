@@ -9,7 +9,7 @@ runs (CUDA IPC, NCCL, sleep mode, flash-attn, TP > 1) is listed in docs/REPRODUC
 The agents are the presets' architectures in miniature with the real Qwen3 and Llama-3
 tokenizers (`tiny_agents.REAL_ARCH_KINDS`) and head-size-32 Qwen2 / Llama agents with the
 project's own tokenizers (`tiny_agents.VLLM_CPU_KINDS`), warm-started briefly so that groups
-have mixed rewards. Four trainer launches and one evaluation:
+have mixed rewards. Six trainer launches and one evaluation:
 
 - `reference`: tied Qwen3 + tied Llama-3.2 (the presets' pair), HACPO, 2 steps, every step
   checkpointed;
@@ -18,6 +18,8 @@ have mixed rewards. Four trainer launches and one evaluation:
 - `three_agents`: untied Qwen3, tied Qwen2, untied Llama with multi-head attention, 2 steps, one
   of them with every weight sync after the first withheld (the negative control of the
   engine/trainer check, `trainer.rollout_check.action=warn`);
+- `three_asynchronous`: the same three agents with no barrier between them (`trainer.async`, wall
+  clock), one of them padded to be slow, 2 steps then resumed to 3;
 - `python -m recipe_hacpo.evaluate --backend vllm` on the reference's checkpoint.
 
 The kind matrix: after every sync of every agent of every run, the engine's log-probs equal the
@@ -418,6 +420,53 @@ def test_three_agents_and_the_check_sees_a_withheld_sync(vllm_agents, ray_tmp, t
     warnings = [ln for ln in stderr.splitlines() if ln.startswith("WARN: agent ")]
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith(f"WARN: agent '{frozen}': step 2: the rollout engine's log-probs disagree"), warnings
+
+
+# ----------------------------------------------------------------------------- asynchronous agents
+def test_three_asynchronous_agents_of_unequal_cost_train_checkpoint_and_resume(vllm_agents, ray_tmp, tmp_path):
+    """Three agents through their own vLLM servers with no barrier between them (`trainer.async`,
+    wall clock), the untied Qwen3's device phases padded so that it is the slow one: a first
+    launch until it made 2 steps (a joint checkpoint at round 1, the last at round 2), then the
+    same run resumed to 3. Invariants only (the interleaving is the machine's): every step of
+    every agent trained once across both launches, each at its own pace; every take within the
+    lag bound, each entry at most once per learner; the engines' log-probs equal the trainer's
+    after every sync (a completed run under `rollout_check.action=stop`)."""
+    from recipe_hacpo.cluster.reliability import STATE_FILE
+
+    slow = NAMES["qwen3-untied"]
+    names = [NAMES[k] for k in THREE]
+    common = _agents(vllm_agents, THREE) + [
+        "trainer.save_freq=1", "trainer.val_before_train=false", "trainer.test_freq=-1", "trainer.resume_mode=auto",
+        "trainer.async.enable=true", "trainer.async.clock=wall", "trainer.async.stop=slowest",
+        "trainer.async.max_source_lag=2", f"+trainer.device_pad_s.{slow}.gen=6", f"+trainer.device_pad_s.{slow}.update_actor=6"]
+    out = str(tmp_path)
+    records = []
+    for total in (2, 3):
+        _run_logged(out, common + [f"trainer.total_training_steps={total}"], ray_tmp)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            records = [json.loads(line) for line in f]
+    versions = {n: [] for n in names}
+    for r in records:
+        for n in names:
+            v = r["data"].get(f"agent/{n}/async/version")
+            if v is not None:
+                versions[n].append(int(v))
+                assert math.isfinite(r["data"][f"agent/{n}/actor/pg_loss"])
+                assert r["data"][f"agent/{n}/rollout/log_prob_diff_max"] < SYNC_TOLERANCE, (n, v)
+                assert r["data"][f"agent/{n}/async/cross_lag_max"] <= 2
+    # every step of every agent once, across the two launches; the padded agent made 3
+    assert versions[slow] == [1, 2, 3], versions
+    for n in names:
+        assert sorted(versions[n]) == list(range(1, len(versions[n]) + 1)), (n, versions[n])
+    assert all(len(versions[n]) >= 3 for n in names), versions
+    state = torch.load(os.path.join(out, "ckpt", "global_step_3", STATE_FILE), weights_only=False)
+    assert state["agent_steps"] == {n: len(versions[n]) for n in names}, (state["agent_steps"], versions)
+    manifest = state["async"]["shared"]["buffer"]["manifest"]
+    taken = [(m["learner"], m["source"], m["batch"]) for m in manifest]
+    assert taken and len(taken) == len(set(taken))
+    assert all(m["lag"] <= 2 for m in manifest)
+    # the faster agents took the slow agent's rows, and it theirs
+    assert {m["learner"] for m in manifest if m["source"] == slow} and {m["source"] for m in manifest if m["learner"] == slow}
 
 
 # ----------------------------------------------------------------------------- evaluation

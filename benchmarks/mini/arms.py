@@ -75,7 +75,17 @@ ABLATIONS = {
     "abl_no_guard": Arm("hacpo", 1, {"baseline_cap": "null"}, "HACPO − baseline guard"),
 }
 
-ALL_ARMS = {**FAMILY_ARMS, **ABLATIONS}
+# agents that do not wait for each other (trainer.async.*), on the virtual clock: the pair's llama
+# agent takes 3 virtual seconds a step, the other 1; both step on until the llama agent made the
+# run's steps (benchmarks/async_learning.py)
+ASYNC_1TO3 = (("trainer.async.enable", "true"), ("trainer.async.clock", "virtual"),
+              ("+trainer.async.virtual_step_s.llama_pair", 3.0), ("trainer.async.stop", "slowest"))
+ASYNC_ARMS = {
+    "hacpo_async3": Arm("hacpo", 1, label="HACPO, asynchronous at 1 : 3 (G each)", actor=ASYNC_1TO3),
+    "naive_async3": Arm("naive", 1, label="Naive sharing, asynchronous at 1 : 3 (G each)", actor=ASYNC_1TO3),
+}
+
+ALL_ARMS = {**FAMILY_ARMS, **ABLATIONS, **ASYNC_ARMS}
 
 
 def reference_arms() -> set[str]:

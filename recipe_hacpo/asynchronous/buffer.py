@@ -78,13 +78,17 @@ class RowBuffer:
         self.versions[agent] = int(version)
         self._evict()
 
-    def take(self, learner: str, batch: int, learner_version: int, peers: tuple[str, ...] | None = None) -> list[Entry]:
-        """At most one entry per peer for `learner`'s update on `batch` (the rule above)."""
+    def take(self, learner: str, batch: int, learner_version: int, peers: tuple[str, ...] | None = None,
+             joint_only: bool = False) -> list[Entry]:
+        """At most one entry per peer for `learner`'s update on `batch` (the rule above); with
+        `joint_only`, only peers' entries of `batch` itself (methods that compare the agents'
+        answers to the same prompts: GRAFT, SGT)."""
         peers = tuple(p for p in (self.agents if peers is None else peers) if p != learner)
         chosen = []
         for peer in peers:
             candidates = [e for e in self.entries
-                          if e.source == peer and learner not in e.taken_by and self.lag(e) <= self.max_source_lag]
+                          if e.source == peer and learner not in e.taken_by and self.lag(e) <= self.max_source_lag
+                          and (e.batch == batch or not joint_only)]
             if not candidates:
                 continue
             same = [e for e in candidates if e.batch == batch]

@@ -66,9 +66,8 @@ class Shared:
     saved_round: int = 0  # newest round with a joint checkpoint
     requested: int | None = None  # a joint checkpoint wanted at this round
     metrics: list[tuple[str, int, dict]] = field(default_factory=list)  # (agent, version, metrics)
-    # not checkpointed, set by the run: agents also meet every that many rounds (validation), and
-    # at the next step boundaries once `stop_wanted()` says so (a stop to be resumed)
-    validate_every: int = 0
+    # not checkpointed, set by the run: the agents also meet at their next step boundaries once
+    # `stop_wanted()` says so (a joint checkpoint before a stop to be resumed)
     stop_wanted: Callable[[], bool] | None = None
 
     def __post_init__(self) -> None:
@@ -92,8 +91,7 @@ class Shared:
         """At `agent`'s step boundary: "step", "stop", or Park for a joint checkpoint."""
         if self.requested is None:
             r = self.round
-            due = any(every > 0 and r % every == 0 for every in (self.save_every, self.validate_every))
-            if due and r > self.saved_round and r < self.total_steps:
+            if self.save_every > 0 and r > self.saved_round and r % self.save_every == 0 and r < self.total_steps:
                 self.requested = r
             elif self.stop_wanted is not None and self.stop_wanted():
                 self.requested = r
@@ -105,7 +103,6 @@ class Shared:
         return "step" if self.round < self.total_steps else "stop"
 
     def checkpoint_done(self, round_: int) -> None:
-        """The agents met at `round_` (a joint checkpoint, a validation, or both)."""
         self.saved_round, self.requested = round_, None
 
     def state_dict(self) -> dict:
@@ -122,8 +119,11 @@ class Shared:
                    saved_round=int(state["saved_round"]), metrics=[tuple(m) for m in state["metrics"]])
 
 
-def agent_loop(agent: Participant, shared: Shared, peers: tuple[str, ...] | None = None) -> Iterator[Work | Park]:
-    """Agent `agent.name`'s steps until the stop rule says so; yields each phase (see module doc)."""
+def agent_loop(agent: Participant, shared: Shared, peers: tuple[str, ...] | None = None,
+               joint_only: bool = False) -> Iterator[Work | Park]:
+    """Agent `agent.name`'s steps until the stop rule says so; yields each phase (see module doc).
+    `peers`: whose rows it takes (None: every other agent); `joint_only`: only their rows of the
+    batch it answered (`RowBuffer.take`)."""
     name = agent.name
     while True:
         move = yield Work("boundary", "state", lambda: shared.next_move(name))
@@ -146,7 +146,7 @@ def agent_loop(agent: Participant, shared: Shared, peers: tuple[str, ...] | None
         yield Work("publish", "state", publish)
 
         def take():
-            entries = shared.buffer.take(name, batch, version, peers)
+            entries = shared.buffer.take(name, batch, version, peers, joint_only=joint_only)
             caps = {name: shared.capabilities.capability(name)}
             caps.update({e.source: e.capability for e in entries})
             return entries, caps

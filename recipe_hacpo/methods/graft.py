@@ -54,10 +54,15 @@ def graft_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[di
     uids, correct = correct_counts(rollouts, names)
     sizes = torch.as_tensor([s.rollout_n for s in ctx.specs], dtype=torch.long)
     source_of = graft_selection(correct, sizes, balance=ctx.settings.graft_balance)  # [N_R, Q]
-    batches = graft_batches(rollouts, names, source_of, uids, {s.name: s.index for s in ctx.specs}, ctx.convert)
-    for learner in ctx.specs:
-        metrics[learner.name]["graft/groups_received"] = float((source_of[learner.index] >= 0).sum())
-        metrics[learner.name]["graft/groups_given"] = float((source_of == learner.index).sum())
+    # rows of source_of are positions in ctx.specs (the agent index, but for an asynchronous
+    # learner's context: it and the peers that answered its batch)
+    position = {s.name: i for i, s in enumerate(ctx.specs)}
+    learners = {s.name: position[s.name] for s in ctx.learner_specs}
+    batches = graft_batches(rollouts, names, source_of, uids, learners, ctx.convert,
+                            index_of={s.name: s.index for s in ctx.specs})
+    for name, at in learners.items():
+        metrics[name]["graft/groups_received"] = float((source_of[at] >= 0).sum())
+        metrics[name]["graft/groups_given"] = float((source_of == at).sum())
     weigh_grafted_rows(ctx, batches, metrics)
     for name, batch in batches.items():
         metrics[name]["cross/rows"] = float(batch.batch[K.IS_CROSS].sum())
@@ -71,10 +76,14 @@ def graft_batches(
     uids: list[str],
     learners: dict[str, int],
     convert: Callable[..., DataProto],
+    index_of: dict[str, int] | None = None,
 ) -> dict[str, DataProto]:
     """Each learner's batch: its own rows of the prompts it keeps, then each source's whole groups of
     the prompts `source_of` [N_R, Q] gives it from that source (index into `names`), re-tokenized by
-    `convert(source name, learner name, rollouts[source], row numbers)` (`StepContext.convert`)."""
+    `convert(source name, learner name, rollouts[source], row numbers)` (`StepContext.convert`).
+    `learners`: {name: its row of source_of}; rows are tagged with `index_of[source]` (default:
+    the source's place in `names`)."""
+    index_of = index_of or {n: i for i, n in enumerate(names)}
     prompt_of = {u: i for i, u in enumerate(uids)}
 
     def rows_for(name: str, receiver: int, wanted: int) -> torch.Tensor:
@@ -85,11 +94,12 @@ def graft_batches(
     batches = {}
     for learner, receiver in learners.items():
         own = rows_for(learner, receiver, -1)
-        parts = [tag_rows(rollouts[learner].select_idxs(own), source=names.index(learner), cross=False, omega=1.0)]
+        parts = [tag_rows(rollouts[learner].select_idxs(own), source=index_of[learner], cross=False, omega=1.0)]
         for index, source in enumerate(names):
             rows = rows_for(source, receiver, index) if source != learner else own[:0]
             if len(rows):
-                parts.append(tag_rows(convert(source, learner, rollouts[source], rows), source=index, cross=True, omega=1.0))
+                parts.append(tag_rows(convert(source, learner, rollouts[source], rows), source=index_of[source],
+                                      cross=True, omega=1.0))
         # a receiver may have no own group left, never no group at all (every prompt has one)
         batches[learner] = concat_rows([p for p in parts if len(p)], GRAFT_FIELDS)
     return batches

@@ -56,7 +56,7 @@ def sgt_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict
     uid = np.concatenate([rollouts[s.name].non_tensor_batch["uid"] for s in specs])
 
     batches = {}
-    for learner in specs:
+    for learner in ctx.learner_specs:
         uids, picks = sgt_selection(correct, uid, source, learner.index, seed=ctx.seed_of(learner.name), step=ctx.step)
         placeholder = torch.as_tensor([_first_peer_row(uid, source, u, learner.index) for u in uids], dtype=torch.long)
         slot = torch.where(picks >= 0, picks, placeholder)  # one pooled row per prompt
@@ -64,11 +64,15 @@ def sgt_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict
         own.batch[K.IMITATION_MASK] = torch.zeros_like(own.batch["response_mask"])
         parts = [own]
         for src in specs:
-            here = torch.nonzero(source[slot] == src.index).flatten() if src.name != learner.name else slot[:0]
+            # the receiver's own row stands in as a placeholder only where no peer answered the
+            # prompt (an asynchronous learner whose peers have not answered its batch)
+            here = torch.nonzero(source[slot] == src.index).flatten()
             if not len(here):
                 continue
-            converted = ctx.convert(src.name, learner.name, rollouts[src.name], row[slot[here]])
-            parts.append(_imitation_slots(tag_rows(converted, source=src.index, cross=True, omega=1.0), picks[here] >= 0))
+            rows = row[slot[here]]
+            slots = (ctx.convert(src.name, learner.name, rollouts[src.name], rows) if src.name != learner.name
+                     else rollouts[learner.name].select_idxs(rows))
+            parts.append(_imitation_slots(tag_rows(slots, source=src.index, cross=True, omega=1.0), picks[here] >= 0))
         batch = concat_rows(parts, SGT_FIELDS)
         batches[learner.name] = batch
         imitated = int((picks >= 0).sum())
@@ -81,8 +85,11 @@ def sgt_exchange(ctx: StepContext, rollouts: dict[str, DataProto]) -> tuple[dict
 
 
 def _first_peer_row(uid: np.ndarray, source: torch.Tensor, prompt: str, receiver: int) -> int:
-    """The pooled row number of the first response of the lowest-index peer to `prompt`."""
+    """The pooled row number of the first response of the lowest-index peer to `prompt` (the
+    receiver's own first response where no peer answered it)."""
     rows = np.flatnonzero((uid == prompt) & (source.numpy() != receiver))
+    if not len(rows):
+        rows = np.flatnonzero(uid == prompt)
     return int(rows[0])
 
 

@@ -38,11 +38,10 @@ from recipe_hacpo.asynchronous.loop import STOP_RULES, Shared, agent_loop
 from recipe_hacpo.asynchronous.virtual_clock import Timeline, VirtualClock
 from recipe_hacpo.asynchronous.wall_clock import WallClock
 from recipe_hacpo.cluster.reliability import check_learner_batch
-from recipe_hacpo.cluster.preemption import ResumableStop
 from recipe_hacpo.exchange.retokenize import mean_log_prob_per_response
 from recipe_hacpo.methods.context import StepContext
 from recipe_hacpo.training.scoring import attach_rewards
-from recipe_hacpo.training.trainer import HacpoTrainer
+from recipe_hacpo.training.trainer import HacpoTrainer, device_pads, pad_phase, summary_lines
 from verl import DataProto
 
 PATH = "trainer.async"
@@ -96,10 +95,11 @@ def validate_async(cfg: DictConfig, specs, hacpo) -> AsyncSettings:
     """What asynchronous agents cannot help with, or cannot run yet: one line, before Ray starts."""
     from recipe_hacpo.config import ConfigError
 
+    names = [sp.name for sp in specs]
+    device_pads(cfg.trainer, names)  # both trainers pad; checked here, before Ray, for both
     s = AsyncSettings.from_config(cfg.trainer)
     if not s.enable:
         return s
-    names = [sp.name for sp in specs]
     unknown = sorted(set(s.virtual_step_s) - set(names))
     if unknown:
         raise ConfigError(f"{PATH}.virtual_step_s.{unknown[0]}: no such agent (agents: {', '.join(names)})")
@@ -111,9 +111,9 @@ def validate_async(cfg: DictConfig, specs, hacpo) -> AsyncSettings:
     if shared:
         raise ConfigError(f"{PATH}.enable: agent {shared[0]} is on the shared pool; asynchronous agents run on pools "
                           "of their own only (agents.<name>.n_gpus_per_node > 0 for every agent)")
-    if hacpo.mode not in ("hacpo", "naive", "isolated"):
-        raise ConfigError(f"{PATH}.enable: algorithm.hacpo.mode={hacpo.mode} does not run asynchronously yet "
-                          "(hacpo, naive and isolated do)")
+    if hacpo.replay_peer is not None:
+        raise ConfigError(f"{PATH}.enable: algorithm.hacpo.replay_peer (a recorded peer, lockstep by nature) "
+                          "does not run asynchronously")
     if hacpo.selects_complementary:
         raise ConfigError(f"{PATH}.enable: algorithm.hacpo.share_selection=complementary does not run asynchronously yet")
     t = cfg.trainer
@@ -137,6 +137,7 @@ class AgentSteps:
     def _timed(self, phase: str, fn):
         start = time.perf_counter()
         out = fn()
+        pad_phase(self.trainer.device_pads, self.name, phase, start)
         self.timing[phase] = time.perf_counter() - start
         return out
 
@@ -147,8 +148,7 @@ class AgentSteps:
 
     def score(self, rollouts: DataProto) -> float:
         t = self.trainer
-        with t.driver_lock:  # one verifier for the run
-            outcome = self._timed("reward", lambda: t.verifier.score(rollouts, self.agent.tokenizer))
+        outcome = self._timed("reward", lambda: t.verifier.score(rollouts, self.agent.tokenizer))
         attach_rewards(rollouts, outcome)
         self.metrics.update({
             "reward/mean": float(outcome.rewards.mean()), "reward/errors": float(outcome.errors),
@@ -191,7 +191,14 @@ class AgentSteps:
     def sync(self) -> None:
         step = self.version + 1
         self._timed("update_weights", lambda: self.agent.sync_weights(step))
-        self.trainer.step_finished(self.name, step, {f"timing_s/{k}": v for k, v in self.timing.items()})
+        extra = {}
+        every = int(self.trainer.config.trainer.test_freq)
+        if every > 0 and step % every == 0:
+            # each agent validates at its own steps, on its own pool (not a cost of the virtual clock)
+            extra = self._timed("validate", lambda: self.trainer.validate_one(self.name))
+        extra.update({f"timing_s/{k}": v for k, v in self.timing.items()})
+        self.trainer.stop_clock.note_step(sum(v for k, v in self.timing.items() if k != "validate"))
+        self.trainer.step_finished(self.name, step, extra)
 
 
 def payload_bytes(batch: DataProto) -> int:
@@ -210,13 +217,14 @@ def lag_metrics(taken: list[Taken]) -> dict[str, float]:
 
 
 # ====================================================================== the padded joint layout
-def pad_groups(batch: DataProto, specs, learner, shares: bool) -> DataProto:
+def pad_groups(batch: DataProto, specs, learner, joint_layout: bool) -> DataProto:
     """Every prompt group of `batch` in the joint layout: each agent's part present, those missing
     (a peer that has not answered the learner's batch; the learner's own part in a group of a
     peer's older batch) filled with copies of one of the group's rows that carry no response
     token and `SELECTED` false, so they are in neither the loss, its row count nor the group's
-    advantage statistics. Returns `batch` itself when no group misses a part."""
-    if not shares:
+    advantage statistics. Returns `batch` itself when no group misses a part (or the method's
+    groups are not joint: `joint_layout` false)."""
+    if not joint_layout:
         return batch
     uid = batch.non_tensor_batch["uid"].astype(str)
     source = batch.batch[K.SOURCE].numpy()
@@ -251,15 +259,19 @@ class AsyncHacpoTrainer(HacpoTrainer):
     def __init__(self, config: DictConfig, specs, hacpo, settings: AsyncSettings) -> None:
         super().__init__(config, specs, hacpo)
         self.settings = settings
-        self.driver_lock = threading.Lock()  # the verifier and the logger, across agent threads
+        self.driver_lock = threading.Lock()  # the prompts and the records, across agent threads
         self.shared: Shared | None = None
         self._prompts: dict[int, dict] = {}
         self._draws = None
         self._pending: dict[int, dict[str, dict]] = {}  # step v -> {agent: its v-th step's metrics}
         self._logged = 0  # steps whose record is written
         self._logger = None
+        self._summary_every = 0  # fit's summary_every: one short line per agent every that many steps
         self._virtual_start = 0.0
         self._saved_round: int | None = None  # newest round with a joint checkpoint of this run
+        self._validated: dict[str, int] = {}  # agent -> the newest of its versions validated
+        self._val_list: list | None = None
+        self.joint_only = hacpo.mode in ("graft", "sgt")
 
     def init_workers(self, train_dataloader, val_dataloader, total_steps: int) -> None:
         super().init_workers(train_dataloader, val_dataloader, total_steps)
@@ -273,8 +285,10 @@ class AsyncHacpoTrainer(HacpoTrainer):
             while batch not in self._prompts:
                 drawn = max(self._prompts, default=-1) + 1
                 self._prompts[drawn] = self._next_batch_dict()
-            # a batch older than the window is never answered again
-            for old in [b for b in self._prompts if b < batch - self.settings.prompt_window]:
+            # the schedule hands out batches of the last `prompt_window` draws only; twice that is
+            # kept, for an agent between its schedule phase and its generation
+            keep_from = self.shared.schedule.drawn - 2 * self.settings.prompt_window
+            for old in [b for b in self._prompts if b < keep_from]:
                 del self._prompts[old]
             batch_dict = self._prompts[batch]
         prompts = DataProto.from_single_dict(batch_dict)
@@ -297,20 +311,31 @@ class AsyncHacpoTrainer(HacpoTrainer):
         """`name`'s learner batch from its rollouts and the peer entries it took, with advantages."""
         caps = torch.tensor([capabilities.get(s.name, self.shared.capabilities.capability(s.name)) for s in self.specs],
                             dtype=torch.float32)
-        ctx = StepContext(
-            specs=tuple(self.specs), settings=self.hacpo, effective=self.effective, step=step, capabilities=caps,
-            seed_of=lambda n: int(self.agents[n].config.actor_rollout_ref.actor.data_loader_seed),
-            convert=self.convert_rows, old_log_probs_of_rows=self.old_log_probs_of_rows, learners=(name,),
-        )
         sources = {name: rollouts, **{e.source: e.payload for e in peers}}
+        # GRAFT and SGT compare the agents' answers to the same prompts: their context holds the
+        # learner and the peers that answered its batch (their takes are joint only)
+        specs = tuple(s for s in self.specs if s.name in sources) if self.joint_only else tuple(self.specs)
+        ctx = StepContext(
+            specs=specs, settings=self.hacpo, effective=self.effective, step=step, capabilities=caps,
+            seed_of=lambda n: int(self.agents[n].config.actor_rollout_ref.actor.data_loader_seed),
+            convert=self.convert_rows, old_log_probs_of_rows=self._learner_log_probs_of_rows, learners=(name,),
+        )
         method = self.method
         batches, metrics = method.exchange(ctx, sources)
         learner = next(s for s in self.specs if s.name == name)
-        batch = pad_groups(batches[name], self.specs, learner, self.hacpo.shares)
+        # HACPO's joint groups hold every agent's part (Hacpo.rows_per_prompt); GRAFT's and SGT's
+        # groups are the learner's own size whatever it took
+        padded = self.hacpo.mode in ("hacpo", "naive")
+        batch = pad_groups(batches[name], self.specs, learner, padded)
         mine = dict(metrics[name])
         mine.update(method.advantages(ctx, {name: batch})[name])
         mine["async/filler_rows"] = float(len(batch) - len(batches[name]))
         return batch, mine
+
+    def _learner_log_probs_of_rows(self, requests: dict, phase: str) -> dict:
+        """A learner's old log-probs of some rows of its batch (GRAFT's grafted rows), on its own
+        workers, inside its own update phase (no other agent is asked)."""
+        return {n: self.agents[n].old_log_prob_of_rows(*req) for n, req in requests.items()}
 
     def dump_learner_batch(self, name: str, step: int, batch: DataProto) -> None:
         root = self.config.trainer.get("learner_batch_dir")
@@ -318,6 +343,20 @@ class AsyncHacpoTrainer(HacpoTrainer):
             step_dir = os.path.join(str(root), f"step_{step}")
             os.makedirs(step_dir, exist_ok=True)
             batch.save_to_disk(os.path.join(step_dir, f"{name}.pkl"))
+
+    def val_batches(self):
+        """The validation batches, read once: agents validating at once each walk the same list."""
+        with self.driver_lock:
+            if self._val_list is None:
+                self._val_list = list(self.val_dataloader)
+        return self._val_list
+
+    def validate_one(self, name: str) -> dict[str, float]:
+        """`name`'s held-out metrics, named below agent/<name>/ (as its step's own metrics are)."""
+        prefix = f"agent/{name}/"
+        out = self.validate(only=name)
+        self._validated[name] = self.shared.buffer.versions[name]
+        return {k[len(prefix):]: v for k, v in out.items()}
 
     # ------------------------------------------------------------------ records
     def step_finished(self, name: str, step: int, timing: dict[str, float]) -> None:
@@ -344,28 +383,45 @@ class AsyncHacpoTrainer(HacpoTrainer):
                          "async/buffer/evicted_stale": float(buf.evicted_stale), "training/global_step": v})
             self._logger.log(data=data, step=v)
             self._logged = v
+            if self._summary_every > 0 and (v % self._summary_every == 0 or v == self.total_steps):
+                print(summary_lines(data, v, self.total_steps), flush=True)
 
     # ------------------------------------------------------------------ checkpoints
-    def _meet(self, round_: int, at: float) -> float:
-        """At a round every agent is parked at: validate (trainer.test_freq), save (save_freq)."""
+    def _meet(self, requested: int, at: float) -> float:
+        """Every agent parked at its step boundary: the joint checkpoint (save_freq, asked for at
+        round `requested`), or a stop to be resumed (a signal, a deadline: preemption.py), which
+        publishes one and raises ResumableStop. Named by the round the agents met at (those that
+        were mid-step when it was asked for finished that step first)."""
         t = self.config.trainer
-        stopping = self.stop_signals.first is not None
-        if t.test_freq > 0 and round_ % t.test_freq == 0 and not stopping:
-            with self.driver_lock:
-                val = self.validate()
-                self._logger.log(data=val, step=round_)
-        if (t.save_freq > 0 and round_ % t.save_freq == 0) or stopping:
+        round_ = self.shared.round
+        reason = self.stop_reason()
+        if reason is not None:
+            print(f"hacpo: every agent stopped at its step boundary (round {round_}): {reason}", flush=True)
+            self._stop_for_resume(reason, self._saved_round, self.async_state(round_, at))
+        if t.save_freq > 0 and requested % t.save_freq == 0:
+            saving = time.perf_counter()
             self.save_async_checkpoint(round_, at)
+            self.stop_clock.note_checkpoint(time.perf_counter() - saving)
         self.shared.checkpoint_done(round_)
-        if stopping:
-            raise ResumableStop(round_, f"{self.stop_signals.first}")
         return 0.0
 
+    def stop_reason(self) -> str | None:
+        """Why the agents should stop at their next step boundaries (a signal, a near deadline), or None."""
+        return self.stop_clock.stop_before_step(self.stop_signals.first)
+
     def save_async_checkpoint(self, round_: int, at: float) -> str:
-        """One joint checkpoint: each agent at its own version, the schedule, the buffer (payloads
-        included), the prompts of the window, the data position, the pending records, the clock."""
+        path = self.save_checkpoint(self.async_state(round_, at))
+        self._saved_round = round_
+        print(f"hacpo: joint checkpoint of round {round_} (versions {dict(self.shared.buffer.versions)}) at {path}",
+              flush=True)
+        return path
+
+    def async_state(self, round_: int, at: float) -> dict:
+        """One joint checkpoint's state: each agent at its own version, the schedule, the buffer
+        (its rows included), the prompts of the window, the data position, the records not yet
+        written, the virtual clock."""
         versions = dict(self.shared.buffer.versions)
-        state = {
+        return {
             "global_step": round_, "agents": [s.name for s in self.specs], "agent_steps": versions,
             "async": {"shared": self.shared.state_dict(), "prompts": dict(self._prompts),
                       "pending": {v: dict(m) for v, m in self._pending.items()}, "logged": self._logged,
@@ -373,16 +429,16 @@ class AsyncHacpoTrainer(HacpoTrainer):
             "dataloader": self.train_dataloader.state_dict(),
             "torch_rng": torch.get_rng_state(), "numpy_rng": np.random.get_state(),
         }
-        path = self.save_checkpoint(state)
-        self._saved_round = round_
-        print(f"hacpo: joint checkpoint of round {round_} (versions {versions}) at {path}", flush=True)
-        return path
 
     def _restore(self) -> bool:
         if not self.load_checkpoint():
             return False
         a = self.loaded_state["async"]
         self.shared = Shared.from_state(a["shared"])
+        # this launch's settings, as the lockstep trainer's total_training_steps may grow on resume
+        s = self.settings
+        self.shared.total_steps, self.shared.stop = self.total_steps, s.stop
+        self.shared.buffer.max_source_lag, self.shared.schedule.window = int(s.max_source_lag), int(s.prompt_window)
         self._prompts = {int(b): d for b, d in a["prompts"].items()}
         self._pending = {int(v): dict(m) for v, m in a["pending"].items()}
         self._logged = int(a["logged"])
@@ -394,7 +450,7 @@ class AsyncHacpoTrainer(HacpoTrainer):
         from recipe_hacpo.cluster.preemption import StopClock
 
         s, t = self.settings, self.config.trainer
-        self._logger = logger
+        self._logger, self._summary_every = logger, summary_every
         self.stop_clock = StopClock(self.preemption, end_time=self._deadline_in_advance())
         resumed = self._restore()
         self.resumed_from = self.global_step
@@ -403,13 +459,12 @@ class AsyncHacpoTrainer(HacpoTrainer):
             self.shared = Shared.start(names, self.total_steps, window=s.prompt_window, max_source_lag=s.max_source_lag,
                                        capability_window=self.hacpo.window, capability_floor=self.hacpo.capability_floor,
                                        stop=s.stop, save_every=int(t.save_freq) if t.save_freq > 0 else 0)
-        self.shared.validate_every = int(t.test_freq) if t.test_freq > 0 else 0
-        self.shared.stop_wanted = lambda: self.stop_signals.first is not None
+        self.shared.stop_wanted = lambda: self.stop_reason() is not None
         if t.get("val_before_train", True) and not resumed:
             print("hacpo: validating the agents before training", flush=True)
             logger.log(data=self.validate(), step=0)
         peers = names if self.hacpo.shares else ()
-        loops = {n: agent_loop(AgentSteps(self, n), self.shared, peers=peers) for n in names}
+        loops = {n: agent_loop(AgentSteps(self, n), self.shared, peers=peers, joint_only=self.joint_only) for n in names}
         pools = {n: n for n in names}
         print(f"hacpo: asynchronous agents on the {s.clock} clock (max_source_lag={s.max_source_lag}, "
               f"prompt_window={s.prompt_window}, stop={s.stop})", flush=True)
@@ -433,11 +488,17 @@ class AsyncHacpoTrainer(HacpoTrainer):
             summary[f"agent/{name}/async/pool_busy_frac"] = timeline.busy_fraction(name)
             summary[f"agent/{name}/async/wait_s"] = timeline.pool_wait[name] + timeline.checkpoint_wait[name]
             summary[f"agent/{name}/async/steps"] = float(self.shared.buffer.versions[name])
-        if t.test_freq > 0:
-            summary.update(self.validate())
+        if t.test_freq > 0:  # every agent validated at its last step
+            for name, version in self.shared.buffer.versions.items():
+                if self._validated.get(name) != version and version > 0:
+                    val = {f"agent/{name}/{k}": v for k, v in self.validate_one(name).items()}
+                    summary.update(val)
         if t.save_freq > 0 and self._saved_round != round_:
             self.save_async_checkpoint(round_, timeline.end)
         with self.driver_lock:
+            # the steps the faster agents made past the slowest (stop=slowest) too; the checkpoint
+            # keeps them pending: a launch that resumes it to more steps writes them again, whole,
+            # and the metrics file drops what this launch wrote from that step on (run_metrics.py)
             self._write_ready(final=True)
             self._logger.log(data=summary, step=max(round_, self._logged))
         print("hacpo: asynchronous run done: " + ", ".join(

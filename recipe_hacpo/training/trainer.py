@@ -131,6 +131,7 @@ class HacpoTrainer:
         self.started_at = time.time()
         self._step_started: float | None = None
         self._step_decision: str | None = None
+        self.device_pads = device_pads(config.trainer, [s.name for s in specs])
 
     # ================================================================== set-up
     def init_workers(self, train_dataloader, val_dataloader, total_steps: int) -> None:
@@ -192,6 +193,7 @@ class HacpoTrainer:
             start = time.perf_counter()
             out = fn(agent)
             if phase:
+                pad_phase(self.device_pads, agent.spec.name, phase, start)
                 self.agent_timing[f"agent/{agent.spec.name}/timing_s/{phase}"] = time.perf_counter() - start
             return out
 
@@ -496,17 +498,22 @@ class HacpoTrainer:
                    else a.sync_weights(self.global_step), phase="update_weights")
 
     # ================================================================== validation
-    def validate(self) -> dict[str, float]:
-        """mean@k per agent and data source over the validation set (k = rollout.val_kwargs.n)."""
+    def validate(self, only: str | None = None) -> dict[str, float]:
+        """mean@k per agent and data source over the validation set (k = rollout.val_kwargs.n);
+        `only`: of that one agent (asynchronous agents validate each at its own steps)."""
         if self.val_dataloader is None:
             return {}
-        sums: dict[str, dict[str, list[float]]] = {n: {} for n in self.agents}
-        keep_samples = int(self.config.trainer.get("log_val_generations", 0) or 0) > 0
-        samples: dict[str, list[tuple[str, str, float]]] = {n: [] for n in self.agents}
-        for batch_dict in self.val_dataloader:
+        names = list(self.agents) if only is None else [only]
+        sums: dict[str, dict[str, list[float]]] = {n: {} for n in names}
+        keep_samples = int(self.config.trainer.get("log_val_generations", 0) or 0) > 0 and only is None
+        samples: dict[str, list[tuple[str, str, float]]] = {n: [] for n in names}
+        for batch_dict in self.val_batches():
             prompts = DataProto.from_single_dict(batch_dict)
             prompts.non_tensor_batch["uid"] = np.array([str(uuid.uuid4()) for _ in range(len(prompts))], dtype=object)
-            outputs = self.for_each_agent(lambda a: a.generate(prompts, validate=True, step=self.global_step))
+            if only is None:
+                outputs = self.for_each_agent(lambda a: a.generate(prompts, validate=True, step=self.global_step))
+            else:
+                outputs = {only: self.agents[only].generate(prompts, validate=True, step=self.global_step)}
             for name, out in outputs.items():
                 tokenizer = self.agents[name].tokenizer
                 outcome = self.verifier.score(out, tokenizer)
@@ -523,6 +530,9 @@ class HacpoTrainer:
             for src, values in per_source.items():
                 metrics[f"agent/{name}/val/{src}/mean@{k}"] = float(np.mean(values))
         return metrics
+
+    def val_batches(self):
+        return self.val_dataloader
 
     # ================================================================== checkpoints
     @property
@@ -790,6 +800,38 @@ class HacpoTrainer:
             self.progress_lines.step_done(self.global_step, run.last["timing_s/step"])
         if summary_every > 0 and (self.global_step % summary_every == 0 or done):
             bar.write(summary_lines(run.latest, self.global_step, self.total_steps))
+
+
+PADDED_PHASES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights")
+
+
+def device_pads(trainer_cfg: DictConfig, names: list[str]) -> dict[str, dict[str, float]]:
+    """`trainer.device_pad_s` checked ({agent: {phase: seconds}}); a ConfigError naming the key."""
+    from recipe_hacpo.config import ConfigError
+
+    raw = trainer_cfg.get("device_pad_s") or {}
+    raw = OmegaConf.to_container(raw, resolve=True) if isinstance(raw, DictConfig) else dict(raw)
+    pads: dict[str, dict[str, float]] = {}
+    for name, phases in raw.items():
+        if name not in names:
+            raise ConfigError(f"trainer.device_pad_s.{name}: no such agent (agents: {', '.join(names)})")
+        for phase, seconds in (phases or {}).items():
+            if phase not in PADDED_PHASES:
+                raise ConfigError(f"trainer.device_pad_s.{name}.{phase}: not a device phase ({', '.join(PADDED_PHASES)})")
+            if not isinstance(seconds, (int, float)) or seconds < 0:
+                raise ConfigError(f"trainer.device_pad_s.{name}.{phase}: must be seconds >= 0, got {seconds!r}")
+            pads.setdefault(name, {})[phase] = float(seconds)
+    return pads
+
+
+def pad_phase(pads: dict[str, dict[str, float]], agent: str, phase: str, started: float) -> None:
+    """Benchmarks only (`trainer.device_pad_s`): sleep until `agent`'s `phase`, started at
+    `started` (perf_counter), has lasted its set seconds, as if a device had worked that long."""
+    wanted = pads.get(agent, {}).get(phase)
+    if wanted is not None:
+        left = wanted - (time.perf_counter() - started)
+        if left > 0:
+            time.sleep(left)
 
 
 @dataclass
