@@ -12,6 +12,7 @@ What it cannot run is refused before Ray, in one line: tests/test_async_config.p
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
@@ -104,28 +105,40 @@ def test_a_one_to_three_pair_trains_pads_and_resumes_where_it_would_have_ended(t
         assert {uids.count(u) for u in set(uids)} == {8}
     assert padded > 0
 
-    # the same run SIGKILLed (its whole process group) a random moment after its first joint
-    # checkpoint, then resumed: it ends where the uninterrupted run ends, on the same metrics
+    # the same run SIGKILLed (its whole process group) a random moment into an update after its
+    # first joint checkpoint, then resumed: it ends where the uninterrupted run ends, on the same metrics
     killed = tmp_path / "killed"
     killed.mkdir()
     latest = killed / "ckpt" / "latest_checkpointed_iteration.txt"
+    progress = killed / "progress.json"
     log = open(killed / "log.txt", "w")
     env = dict(os.environ, VERL_FILE_LOGGER_PATH=str(killed / "metrics.jsonl"), HACPO_DATA_DIR=os.path.join(REPO, "data"))
     cmd = [sys.executable, "-m", "recipe_hacpo.main", "--config-name", "hacpo_cpu_demo", "trainer.logger=[console,file]",
            f"trainer.default_local_dir={killed}/ckpt", f"hydra.run.dir={killed}/hydra", "trainer.progress_bar=false",
-           *_unequal_overrides(killed, warm_agent_paths)]
+           *_unequal_overrides(killed, warm_agent_paths), f"trainer.progress_file={progress}"]
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 900
+
+    def phase():
+        try:
+            return json.loads(progress.read_text())
+        except (OSError, ValueError):
+            return {}
+
     try:
         while not (latest.exists() and latest.read_text().strip() == "1") and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
         assert latest.exists(), open(killed / "log.txt").read()[-4000:]
-        time.sleep(random.uniform(0.0, 3.0))
+        while phase().get("phase") != "update_actor" and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.005)
+        at_kill = phase()
+        time.sleep(random.uniform(0.0, 0.2))
     finally:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=60)
         log.close()
     assert proc.returncode == -signal.SIGKILL, "the run ended before it was killed"
+    assert at_kill["phase"] == "update_actor" and at_kill["step"] >= 2, at_kill
     resumed = run_main(str(killed), _unequal_overrides(killed, warm_agent_paths))
     end = resumed[-1]["data"]
     for key in ("agent/qwen_char/async/steps", "agent/llama_pair/async/steps", "async/end_s"):
@@ -143,8 +156,6 @@ def test_a_signal_stops_every_agent_at_its_step_boundary_with_a_joint_checkpoint
     """SIGUSR1 (Slurm's warning before preemption) on the wall clock: every agent finishes its step,
     one joint checkpoint holds each at its own version, exit status 75; the same command resumes
     and every step of every agent is logged once."""
-    import json
-
     from recipe_hacpo.cluster.reliability import STATE_FILE
 
     out = tmp_path

@@ -22,6 +22,7 @@ agent catches up; those it makes past the slowest (stop=slowest) are written at 
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -37,6 +38,7 @@ from recipe_hacpo.asynchronous.buffer import Entry, Taken
 from recipe_hacpo.asynchronous.loop import STOP_RULES, Shared, agent_loop
 from recipe_hacpo.asynchronous.virtual_clock import Timeline, VirtualClock
 from recipe_hacpo.asynchronous.wall_clock import WallClock
+from recipe_hacpo.atomic_io import atomic_write_text
 from recipe_hacpo.cluster.reliability import check_learner_batch
 from recipe_hacpo.exchange.retokenize import mean_log_prob_per_response
 from recipe_hacpo.methods.context import StepContext
@@ -135,6 +137,7 @@ class AgentSteps:
         self.timing: dict[str, float] = {}
 
     def _timed(self, phase: str, fn):
+        self.trainer.announce(self.name, self.version + 1, phase)
         start = time.perf_counter()
         out = fn()
         pad_phase(self.trainer.device_pads, self.name, phase, start)
@@ -357,6 +360,16 @@ class AsyncHacpoTrainer(HacpoTrainer):
         out = self.validate(only=name)
         self._validated[name] = self.shared.buffer.versions[name]
         return {k[len(prefix):]: v for k, v in out.items()}
+
+    def announce(self, name: str, step: int, phase: str) -> None:
+        """With `trainer.progress_file`: {"agent", "step", "phase", "time", "round"} of the phase an
+        agent starts (the newest of any agent's), for watchdogs and for the tests that kill a run
+        at a chosen phase."""
+        path = self.config.trainer.get("progress_file")
+        if path:
+            record = {"agent": name, "step": step, "phase": phase, "time": time.time(), "round": self.shared.round}
+            with self.driver_lock:
+                atomic_write_text(str(path), json.dumps(record))
 
     # ------------------------------------------------------------------ records
     def step_finished(self, name: str, step: int, timing: dict[str, float]) -> None:

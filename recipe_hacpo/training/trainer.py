@@ -96,6 +96,9 @@ class HacpoTrainer:
     val_samples: dict = {}
     # agents that do not wait for each other (async_trainer.py): its checkpoints differ
     asynchronous: bool = False
+    # trainer.device_pad_s, benchmarks only ({agent: {phase: seconds}}; `pad_phase`); none in
+    # trainers assembled without __init__
+    device_pads: dict = {}
 
     @property
     def method(self) -> Method:
