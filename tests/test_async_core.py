@@ -109,6 +109,17 @@ def test_an_entry_leaves_once_every_peer_took_it():
     assert buf.entries == [] and buf.evicted_stale == 0
 
 
+def test_a_learners_newest_take_is_read_from_the_end_of_the_manifest():
+    buf = RowBuffer(("a", "b", "c"), max_source_lag=4)
+    buf.publish(Entry("b", 0, 0, 0.5))
+    buf.publish(Entry("c", 0, 0, 0.5))
+    buf.take("a", 0, learner_version=0)
+    buf.publish(Entry("a", 0, 0, 0.5))
+    buf.take("b", 0, learner_version=0)  # another learner's lines after a's
+    assert [(t.learner, t.source) for t in buf.taken_at("a", 0)] == [("a", "b"), ("a", "c")]
+    assert buf.take("a", 1, learner_version=1) == [] and buf.taken_at("a", 1) == []
+
+
 def test_buffer_state_round_trips():
     buf = RowBuffer(("a", "b"), max_source_lag=2)
     buf.publish(Entry("b", 0, 0, 0.25, payload={"x": 1}, nbytes=8))
@@ -251,6 +262,11 @@ def test_any_costs_keep_the_manifest_invariants(factors, lag, window, shared_poo
         assert t.source != t.learner and 0 <= t.lag <= lag
         assert (t.learner, t.source, t.batch) not in seen  # at most once per learner
         seen.add((t.learner, t.source, t.batch))
+    for name in names:  # each learner's last take, read from the end of the manifest
+        mine = [t for t in shared.buffer.manifest if t.learner == name]
+        if mine:
+            newest = mine[-1].learner_version
+            assert shared.buffer.taken_at(name, newest) == [t for t in mine if t.learner_version == newest]
     for name, agent in agents.items():
         for _, peers in agent.updates:
             assert len({src for src, _, _ in peers}) == len(peers) <= len(names) - 1

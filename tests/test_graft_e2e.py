@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 import torch
 from conftest import REAL_PAIR
-from helpers.golden import check_golden, golden_run_overrides
-from helpers.e2e import REPO, agent_overrides, assert_finite_losses, assert_weights_changed, run_main, train_steps
+from helpers.golden import check_golden, golden_run_overrides, replay_overrides
+from helpers.e2e import (REPO, agent_overrides, assert_finite_losses, assert_same_training_metrics, assert_weights_changed,
+                         run_main, train_steps)
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.methods.graft_formulas import grpo_advantage
@@ -45,6 +46,27 @@ def graft_run(tmp_path_factory, warm_real_agent_paths):
     )
     check_golden("graft_pair", train_steps(records), f"{out}/samples")
     return out, records, kinds
+
+
+def test_asynchronous_graft_at_equal_costs_equals_the_lockstep_run(graft_run, warm_real_agent_paths, tmp_path):
+    """Asynchronous agents (`trainer.async`, virtual clock, equal costs) on the presets' pair:
+    GRAFT's selection compares the agents' answers to the same prompts, so an asynchronous learner
+    takes only its peers' rows of its own batch (joint_only) and selects among those peers; at
+    equal costs every take is joint and the run equals the lockstep run metric for metric, the
+    rows of the two real tokenizers converted in the learner's own update phase."""
+    out = str(tmp_path)
+    _, lockstep, kinds = graft_run
+    records = run_main(out, agent_overrides(warm_real_agent_paths, kinds) + GRAFT + [
+        "algorithm.hacpo.graft_balance=false", "trainer.total_training_steps=2", "trainer.save_freq=-1",
+        "trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.resume_mode=disable",
+        "trainer.async.enable=true", "trainer.async.clock=virtual", *replay_overrides("graft_pair")])
+    steps = train_steps(records)
+    assert_same_training_metrics(steps, train_steps(lockstep), at_least=40)
+    for step in (1, 2):
+        for name in PAIR_NAMES:
+            assert steps[step][f"agent/{name}/async/joint_frac"] == 1.0
+    # not vacuous: groups were grafted
+    assert sum(steps[s][f"agent/{n}/graft/groups_received"] for s in (1, 2) for n in PAIR_NAMES) > 0
 
 
 def _groups(batch):

@@ -280,6 +280,51 @@ def test_every_method_keeps_the_contract_on_a_stand_in_step(mode, char_tokenizer
         assert all(set(method.global_counts.values()) <= set(b.batch.keys()) for b in batches.values())
 
 
+@pytest.mark.parametrize("mode", ["hacpo", "naive", "graft", "sgt", "isolated"])
+def test_a_learner_whose_batch_no_peer_answered_trains_on_its_own_rows(mode, char_tokenizer):
+    """An asynchronous step (StepContext.learners) of a learner that took no peer's rows: a fast
+    agent ahead of its peers. GRAFT and SGT see the learner alone (their takes are joint only:
+    AsyncHacpoTrainer.learner_batch); HACPO and Naive every agent, with no peer rows present. The
+    learner batch holds the learner's own rows, each once, with advantages; nothing is grafted,
+    imitated or received (SGT's slot of each group is a row that carries no token)."""
+    import dataclasses
+
+    from helpers.stand_in import stand_in_context
+
+    from recipe_hacpo.exchange.retokenize import RowConverter
+
+    names = ["a", "b"]
+    settings = HacpoSettings.from_dict({"mode": mode})
+    converters = {(s, l): RowConverter(char_tokenizer, char_tokenizer, max_prompt_length=8, max_response_length=8)
+                  for s in names for l in names}
+    ctx = stand_in_context(names, converters, settings=settings, rollout_n=G)
+    joint_only = mode in ("graft", "sgt")
+
+    def no_forward(requests, phase):  # GRAFT's forward over grafted rows: here there are none
+        assert all(len(rows) == 0 for _, rows in requests.values()), requests
+        return {n: None for n in requests}
+
+    ctx = dataclasses.replace(ctx, learners=("a",), specs=ctx.specs[:1] if joint_only else ctx.specs,
+                              old_log_probs_of_rows=no_forward)
+    own = _scored_rollouts(char_tokenizer, names)["a"]
+    method = method_for(settings.mode)
+    batches, exchanged = method.exchange(ctx, {"a": own})
+    advantaged = method.advantages(ctx, batches)
+    assert set(batches) == {"a"}
+    batch = batches["a"]
+    cross = batch.batch[K.IS_CROSS]
+    assert not bool(batch.batch["response_mask"][cross].any())  # SGT's slots: in no loss term
+    if K.IMITATION_MASK in batch.batch.keys():
+        assert not bool(batch.batch[K.IMITATION_MASK].any())
+    assert sorted(batch.batch["responses"][~cross].tolist()) == sorted(own.batch["responses"].tolist())
+    assert int((~cross).sum()) == len(own) and int(cross.sum()) == (2 if mode == "sgt" else 0)
+    assert {"advantages", "returns"} <= set(batch.batch.keys())
+    assert torch.isfinite(batch.batch["advantages"]).all()
+    received = {k: v for m in (exchanged, advantaged) for k, v in m.get("a", {}).items()
+                if k.endswith(("groups_received", "prompts_imitated", "cross/rows"))}
+    assert all(v == 0 for v in received.values()), received
+
+
 # ------------------------------------------------------------------ end to end
 @pytest.mark.e2e
 @pytest.mark.ray

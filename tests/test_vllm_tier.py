@@ -426,27 +426,32 @@ def test_three_agents_and_the_check_sees_a_withheld_sync(vllm_agents, ray_tmp, t
 def test_three_asynchronous_agents_of_unequal_cost_train_checkpoint_and_resume(vllm_agents, ray_tmp, tmp_path):
     """Three agents through their own vLLM servers with no barrier between them (`trainer.async`,
     wall clock): the head-size-32 Qwen2 and Llama, and a second Qwen2 whose device phases are
-    padded so that it is the slow one (the tier's light agents: the point is the schedule, the
-    heterogeneity runs above). A first launch until the slow agent made its first step (the joint
-    checkpoint of round 1), then the same run resumed to 2. Invariants only
-    (the interleaving is the machine's): every step of every agent trained once across both
-    launches, the fast ones more often than the slow one; every take within the lag bound, each
-    entry at most once per learner; the engines' log-probs equal the trainer's after every sync."""
+    padded (the tier's light agents: the point is the schedule, the heterogeneity runs above).
+    A first launch of one step each (its joint checkpoint), then the same run resumed to 2.
+    Invariants only: on two cores the interleaving, and which agent is slowest, is the machine's.
+    Every step of every agent trained once across both launches, each agent's checkpointed version
+    is its step count; every take within the lag bound and each entry at most once per learner
+    (the last agent to reach an update finds its peers' rows published: takes happen); the
+    engines' log-probs equal the trainer's after every sync."""
     from recipe_hacpo.cluster.reliability import STATE_FILE
     from recipe_hacpo.config import agents_overrides
 
     slow = "qwen_slow"
     kinds = {"qwen_char": "qwen2-char-h32", "llama_mha": "llama-pair-h32-mha", slow: "qwen2-char-h32"}
     names = list(kinds)
+    # stop=each: each agent stops at its own step count (no extra steps of the faster ones while the
+    # slowest finishes); save_freq=2: no joint checkpoint inside the first launch but its last
     common = [*agents_overrides([dict(name=n, model_path=vllm_agents[k], rollout_n=4, n_gpus_per_node=1, nnodes=1)
                                  for n, k in kinds.items()]),
-              "ray_kwargs.ray_init.num_gpus=3", "trainer.save_freq=1", "trainer.val_before_train=false",
+              "ray_kwargs.ray_init.num_gpus=3", "trainer.save_freq=2", "trainer.val_before_train=false",
               "trainer.test_freq=-1", "trainer.resume_mode=auto", "trainer.async.enable=true",
-              "trainer.async.clock=wall", "trainer.async.stop=slowest", "trainer.async.max_source_lag=2",
-              f"+trainer.device_pad_s.{slow}.gen=3", f"+trainer.device_pad_s.{slow}.update_actor=3"]
+              "trainer.async.clock=wall", "trainer.async.stop=each", "trainer.async.max_source_lag=2",
+              f"+trainer.device_pad_s.{slow}.gen=2", f"+trainer.device_pad_s.{slow}.update_actor=2"]
     out = str(tmp_path)
     for total in (1, 2):
         _run_logged(out, common + [f"trainer.total_training_steps={total}"], ray_tmp)
+        state = torch.load(os.path.join(out, "ckpt", f"global_step_{total}", STATE_FILE), weights_only=False)
+        assert state["agent_steps"] == {n: total for n in names}, state["agent_steps"]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         records = [json.loads(line) for line in f]  # both launches (a resumed run appends)
     versions = {n: [] for n in names}
@@ -458,19 +463,13 @@ def test_three_asynchronous_agents_of_unequal_cost_train_checkpoint_and_resume(v
                 assert math.isfinite(r["data"][f"agent/{n}/actor/pg_loss"])
                 assert r["data"][f"agent/{n}/rollout/log_prob_diff_max"] < SYNC_TOLERANCE, (n, v)
                 assert r["data"][f"agent/{n}/async/cross_lag_max"] <= 2
-    # every step of every agent once, across the two launches; the padded agent made 2, the others more
-    assert versions[slow] == [1, 2], versions
-    for n in names:
-        assert sorted(versions[n]) == list(range(1, len(versions[n]) + 1)), (n, versions[n])
-    assert min(len(versions["qwen_char"]), len(versions["llama_mha"])) > 2, versions
-    state = torch.load(os.path.join(out, "ckpt", "global_step_2", STATE_FILE), weights_only=False)
-    assert state["agent_steps"] == {n: len(versions[n]) for n in names}, (state["agent_steps"], versions)
+    assert versions == {n: [1, 2] for n in names}, versions
     manifest = state["async"]["shared"]["buffer"]["manifest"]
     taken = [(m["learner"], m["source"], m["batch"]) for m in manifest]
     assert taken and len(taken) == len(set(taken))
-    assert all(m["lag"] <= 2 for m in manifest)
-    # the faster agents took the slow agent's rows, and it theirs
-    assert {m["learner"] for m in manifest if m["source"] == slow} and {m["source"] for m in manifest if m["learner"] == slow}
+    assert all(m["lag"] <= 2 and m["learner"] != m["source"] for m in manifest)
+    # the padded agent's phases lasted at least their pads
+    assert all(r["data"][f"agent/{slow}/timing_s/gen"] >= 2.0 for r in records if f"agent/{slow}/timing_s/gen" in r["data"])
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -100,6 +100,19 @@ class RowBuffer:
         self._evict()
         return chosen
 
+    def taken_at(self, learner: str, learner_version: int) -> list[Taken]:
+        """The manifest lines of `learner`'s take at `learner_version` (one take: contiguous lines,
+        the learner's newest), found from the end of the manifest."""
+        lines = []
+        for i in range(len(self.manifest) - 1, -1, -1):
+            line = self.manifest[i]
+            if line.learner != learner:
+                continue
+            if line.learner_version != learner_version:
+                break
+            lines.append(line)
+        return lines[::-1]
+
     def _evict(self) -> None:
         kept = []
         for e in self.entries:

@@ -23,7 +23,6 @@ agent catches up; those it makes past the slowest (stop=slowest) are written at 
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -40,10 +39,8 @@ from recipe_hacpo.asynchronous.virtual_clock import Timeline, VirtualClock
 from recipe_hacpo.asynchronous.wall_clock import WallClock
 from recipe_hacpo.atomic_io import atomic_write_text
 from recipe_hacpo.cluster.reliability import check_learner_batch
-from recipe_hacpo.exchange.retokenize import mean_log_prob_per_response
 from recipe_hacpo.methods.context import StepContext
-from recipe_hacpo.training.scoring import attach_rewards
-from recipe_hacpo.training.trainer import HacpoTrainer, device_pads, pad_phase, summary_lines
+from recipe_hacpo.training.trainer import HacpoTrainer, attach_old_log_probs, device_pads, pad_phase, summary_lines
 from verl import DataProto
 
 PATH = "trainer.async"
@@ -119,7 +116,9 @@ def validate_async(cfg: DictConfig, specs, hacpo) -> AsyncSettings:
     if hacpo.selects_complementary:
         raise ConfigError(f"{PATH}.enable: algorithm.hacpo.share_selection=complementary does not run asynchronously yet")
     t = cfg.trainer
-    for key in ("record_rollouts_dir", "rollout_data_dir", "replay_samples_dir"):
+    # a sample tape (trainer.replay_samples_dir) replays: an agent's step v asks for the seeds of
+    # its own step v, so a tape recorded at equal costs serves any run whose agents make those steps
+    for key in ("record_rollouts_dir", "rollout_data_dir"):
         if t.get(key):
             raise ConfigError(f"trainer.{key}: not available with {PATH}.enable=true yet")
     return s
@@ -150,26 +149,15 @@ class AgentSteps:
         return self._timed("gen", lambda: self.agent.generate(prompts, step=version + 1))
 
     def score(self, rollouts: DataProto) -> float:
-        t = self.trainer
-        outcome = self._timed("reward", lambda: t.verifier.score(rollouts, self.agent.tokenizer))
-        attach_rewards(rollouts, outcome)
-        self.metrics.update({
-            "reward/mean": float(outcome.rewards.mean()), "reward/errors": float(outcome.errors),
-            "reward/timeouts": float(outcome.timeouts), "reward/nonfinite": float(outcome.nonfinite),
-            "response_length/mean": float(rollouts.batch["response_mask"].sum(-1).float().mean()),
-        })
-        return float(outcome.rewards.mean())
+        scored = self._timed("reward", lambda: self.trainer.score_rollouts(self.name, rollouts))
+        self.metrics.update(scored)
+        return scored["reward/mean"]
 
     def old_log_probs(self, rollouts: DataProto) -> tuple[DataProto, int]:
         lp = self._timed("old_log_prob", lambda: self.agent.old_log_prob(rollouts))
-        mask = rollouts.batch["response_mask"]
-        if not torch.isfinite(lp[mask.bool()]).all():
-            raise FloatingPointError(f"agent {self.name!r}: non-finite old log-probs; stopping before any update")
-        rollouts.batch["old_log_probs"] = lp
-        rollouts.batch[K.SOURCE_LOG_PROB_MEAN] = mean_log_prob_per_response(lp, mask)
-        rollouts.batch[K.SOURCE_RESPONSE_LENGTH] = mask.sum(-1).float()
+        attach_old_log_probs(self.name, rollouts, lp)
         checked: dict[str, float] = {}
-        self.trainer.check_rollout_policy({self.name: rollouts}, checked)
+        self.trainer.check_rollout_policy({self.name: rollouts}, checked, step=self.version + 1)
         self.metrics.update({k.split("/", 2)[2]: v for k, v in checked.items()})
         return rollouts, payload_bytes(rollouts)
 
@@ -188,7 +176,7 @@ class AgentSteps:
         metrics.update(t.update_metrics(self.name, out))
         metrics.update(self.metrics)
         metrics["capability"] = float(capabilities[self.name])
-        metrics.update(lag_metrics([m for m in t.shared.buffer.manifest if m.learner == self.name and m.learner_version == self.version]))
+        metrics.update(lag_metrics(t.shared.buffer.taken_at(self.name, self.version)))
         return metrics
 
     def sync(self) -> None:
@@ -339,13 +327,6 @@ class AsyncHacpoTrainer(HacpoTrainer):
         """A learner's old log-probs of some rows of its batch (GRAFT's grafted rows), on its own
         workers, inside its own update phase (no other agent is asked)."""
         return {n: self.agents[n].old_log_prob_of_rows(*req) for n, req in requests.items()}
-
-    def dump_learner_batch(self, name: str, step: int, batch: DataProto) -> None:
-        root = self.config.trainer.get("learner_batch_dir")
-        if root:
-            step_dir = os.path.join(str(root), f"step_{step}")
-            os.makedirs(step_dir, exist_ok=True)
-            batch.save_to_disk(os.path.join(step_dir, f"{name}.pkl"))
 
     def val_batches(self):
         """The validation batches, read once: agents validating at once each walk the same list."""

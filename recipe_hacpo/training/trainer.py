@@ -336,32 +336,32 @@ class HacpoTrainer:
         for name, batch in rollouts.items():
             # the text decoded in the background as the rollouts returned (the same function)
             texts = jobs.texts(name) if jobs is not None and jobs.started(name) else None
-            outcome = self.verifier.score(batch, self.agents[name].tokenizer, texts=texts)
-            attach_rewards(batch, outcome)
-            prefix = f"agent/{name}"
-            metrics[f"{prefix}/reward/mean"] = float(outcome.rewards.mean())
-            metrics[f"{prefix}/reward/errors"] = float(outcome.errors)
-            metrics[f"{prefix}/reward/timeouts"] = float(outcome.timeouts)
-            metrics[f"{prefix}/reward/nonfinite"] = float(outcome.nonfinite)
-            metrics[f"{prefix}/response_length/mean"] = float(batch.batch["response_mask"].sum(-1).float().mean())
+            metrics.update({f"agent/{name}/{k}": v for k, v in self.score_rollouts(name, batch, texts).items()})
+
+    def score_rollouts(self, name: str, batch: DataProto, texts=None) -> dict[str, float]:
+        """The verifier's rewards of `name`'s rollouts, attached to `batch`; their metrics (below agent/<name>/)."""
+        outcome = self.verifier.score(batch, self.agents[name].tokenizer, texts=texts)
+        attach_rewards(batch, outcome)
+        return {
+            "reward/mean": float(outcome.rewards.mean()), "reward/errors": float(outcome.errors),
+            "reward/timeouts": float(outcome.timeouts), "reward/nonfinite": float(outcome.nonfinite),
+            "response_length/mean": float(batch.batch["response_mask"].sum(-1).float().mean()),
+        }
 
     # ------------------------------------------------------------------ 3 old log-probs
     def old_log_probs(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
         old = self.for_each_agent(lambda a: a.old_log_prob(rollouts[a.spec.name]), phase="old_log_prob")
         for name, batch in rollouts.items():
-            lp = old[name]
-            if not torch.isfinite(lp[batch.batch["response_mask"].bool()]).all():
-                raise FloatingPointError(f"agent {name!r}: non-finite old log-probs; stopping before any update")
-            batch.batch["old_log_probs"] = lp
-            batch.batch[K.SOURCE_LOG_PROB_MEAN] = mean_log_prob_per_response(lp, batch.batch["response_mask"])
-            batch.batch[K.SOURCE_RESPONSE_LENGTH] = batch.batch["response_mask"].sum(-1).float()
+            attach_old_log_probs(name, batch, old[name])
         self.check_rollout_policy(rollouts, metrics)
 
-    def check_rollout_policy(self, rollouts: dict[str, DataProto], metrics: dict) -> None:
+    def check_rollout_policy(self, rollouts: dict[str, DataProto], metrics: dict, step: int | None = None) -> None:
         """The engine's log-probs of the tokens it sampled against the actor's old log-probs
         (recipe_hacpo/rollout_check.py): apart from numerics they differ only when the engine
         runs other weights than the actor. Out of `trainer.rollout_check`'s limits, the run
-        stops here, before any update, or warns."""
+        stops here, before any update, or warns. `step`: the step a message names (default: the
+        trainer's; an asynchronous agent's own step)."""
+        step = self.global_step if step is None else step
         failures = []
         for name, batch in rollouts.items():
             if "rollout_log_probs" not in batch.batch.keys():
@@ -379,7 +379,7 @@ class HacpoTrainer:
             violated = violations(stats, self.rollout_check.limits(precision), self.rollout_check.min_tokens)
             metrics[f"{prefix}/policy_mismatch"] = float(bool(violated))
             if violated and self.rollout_check.action != "off":
-                failures.append((name, mismatch_message(self.global_step, precision, stats, violated)))
+                failures.append((name, mismatch_message(step, precision, stats, violated)))
         if failures and self.rollout_check.action == "stop":
             name, message = failures[0]
             raise RolloutMismatchError(name, f"{message}; stopped before the update ({ROLLOUT_CHECK_PATH}.action=warn trains on)")
@@ -484,14 +484,19 @@ class HacpoTrainer:
 
     def _dump_learner_batches(self, batches: dict[str, DataProto]) -> None:
         """With `trainer.learner_batch_dir` set, keep the exact batch each learner trains on."""
+        folders = {self.dump_learner_batch(name, self.global_step, batch) for name, batch in batches.items()}
+        for step_dir in folders - {None}:  # with the capability tracker the batches were made with
+            torch.save(self.tracker.state_dict(), os.path.join(step_dir, "tracker.pt"))
+
+    def dump_learner_batch(self, name: str, step: int, batch: DataProto) -> str | None:
+        """`<trainer.learner_batch_dir>/step_<step>/<name>.pkl` when that key is set; the step's folder."""
         root = self.config.trainer.get("learner_batch_dir")
         if not root:
-            return
-        step_dir = os.path.join(str(root), f"step_{self.global_step}")
+            return None
+        step_dir = os.path.join(str(root), f"step_{step}")
         os.makedirs(step_dir, exist_ok=True)
-        for name, batch in batches.items():
-            batch.save_to_disk(os.path.join(step_dir, f"{name}.pkl"))
-        torch.save(self.tracker.state_dict(), os.path.join(step_dir, "tracker.pt"))
+        batch.save_to_disk(os.path.join(step_dir, f"{name}.pkl"))
+        return step_dir
 
     # ------------------------------------------------------------------ 5 sync
     def sync_weights(self) -> None:
@@ -806,6 +811,17 @@ class HacpoTrainer:
 
 
 PADDED_PHASES = ("gen", "old_log_prob", "ref", "update_actor", "update_weights")
+
+
+def attach_old_log_probs(name: str, batch: DataProto, log_probs: torch.Tensor) -> None:
+    """The actor's log-probs of `name`'s own rollouts as their old log-probs, with the per-row
+    summaries a peer's exchange reads (SOURCE_*); non-finite values stop the run before any update."""
+    mask = batch.batch["response_mask"]
+    if not torch.isfinite(log_probs[mask.bool()]).all():
+        raise FloatingPointError(f"agent {name!r}: non-finite old log-probs; stopping before any update")
+    batch.batch["old_log_probs"] = log_probs
+    batch.batch[K.SOURCE_LOG_PROB_MEAN] = mean_log_prob_per_response(log_probs, mask)
+    batch.batch[K.SOURCE_RESPONSE_LENGTH] = mask.sum(-1).float()
 
 
 def device_pads(trainer_cfg: DictConfig, names: list[str]) -> dict[str, dict[str, float]]:

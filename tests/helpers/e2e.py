@@ -60,6 +60,25 @@ def train_steps(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r["data"] for r in records if "training/global_step" in r["data"]}
 
 
+# what only an asynchronous run reports, or what differs from run to run by construction (timings)
+NOT_TRAINING = ("/async/", "timing_s/", "/perf/", "/val/")
+
+
+def training_metrics(metrics: dict) -> dict:
+    """A step's per-agent training metrics: what an asynchronous run at equal costs must equal."""
+    return {k: v for k, v in metrics.items() if k.startswith("agent/") and not any(p in k for p in NOT_TRAINING)}
+
+
+def assert_same_training_metrics(got: dict[int, dict], want: dict[int, dict], at_least: int) -> None:
+    """Every step's training metrics of `got` equal `want`'s (same keys, at least `at_least` of them)."""
+    assert sorted(got) == sorted(want), (sorted(got), sorted(want))
+    for step in sorted(want):
+        g, w = training_metrics(got[step]), training_metrics(want[step])
+        assert len(w) >= at_least and set(w) == set(g), (step, sorted(set(w) ^ set(g)))
+        for key, value in w.items():
+            assert math.isclose(g[key], value, rel_tol=1e-5, abs_tol=1e-7), (step, key, g[key], value)
+
+
 def checkpoint_weights(path: str) -> dict[str, torch.Tensor]:
     state = torch.load(os.path.join(path, "actor", "model_world_size_1_rank_0.pt"), weights_only=False)
     return {k: (v.to_local() if hasattr(v, "to_local") else v).float() for k, v in state.items()}
