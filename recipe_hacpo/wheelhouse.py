@@ -184,9 +184,8 @@ def _build_wheel(sdist: Path, dest: Path, lock: dict, python: str) -> Path:
     return target
 
 
-def install(wheelhouse: Path, python: str, editable: list[str], local: list[str], compile_bytecode: bool = True) -> None:
-    """Install the wheelhouse's set, then the given source trees, with pip's index off.
-    `compile_bytecode` false: no .pyc at install (each module is compiled at its first import)."""
+def install(wheelhouse: Path, python: str, editable: list[str], local: list[str]) -> None:
+    """Install the wheelhouse's set, then the given source trees, with pip's index off."""
     listing = wheelhouse / INSTALL_LIST
     if not listing.is_file():
         raise WheelhouseError(f"{listing}: missing; make the wheelhouse with `python -m recipe_hacpo.wheelhouse download`")
@@ -205,7 +204,7 @@ def install(wheelhouse: Path, python: str, editable: list[str], local: list[str]
         del env[key]
     # no configuration file at all: a site's pip.conf may name an index or extra find-links
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_NO_INDEX="1", PIP_DISABLE_PIP_VERSION_CHECK="1")
-    offline = ["--no-index", "--find-links", str(wheelhouse)] + ([] if compile_bytecode else ["--no-compile"])
+    offline = ["--no-index", "--find-links", str(wheelhouse)]
     steps = [_pip(python) + ["install", "--no-deps", "--require-hashes", "-r", str(listing)] + offline]
     for path in local:
         steps.append(_pip(python) + ["install", "--no-deps", "--no-build-isolation", path] + offline)
@@ -230,14 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     i.add_argument("--python", default=sys.executable, help="the Python to install into (a venv's)")
     i.add_argument("--editable", action="append", default=[], help="a source tree to install editable (the project: .)")
     i.add_argument("--local", action="append", default=[], help="a source tree to install")
-    i.add_argument("--no-compile", action="store_true",
-                   help="no .pyc at install: modules are compiled at their first import (a test environment)")
     args = parser.parse_args(argv)
     try:
         if args.command == "download":
             download(args.lock, args.dest, args.wheel)
         else:
-            install(args.wheelhouse, args.python, args.editable, args.local, compile_bytecode=not args.no_compile)
+            install(args.wheelhouse, args.python, args.editable, args.local)
     except (WheelhouseError, ValueError, OSError) as exc:
         print(f"wheelhouse: {exc}", file=sys.stderr)
         return 1
