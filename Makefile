@@ -111,13 +111,14 @@ demo: $(STAMP)
 	PATH="$(abspath $(VENV))/bin:$$PATH" bash run_scripts/cpu_demo.sh
 
 # CI's target (.ci/run): both tiers, both environments. .venv-vllm is built in the background
-# while the fast tier runs (its pip output goes to $(VLLM_VENV).log), the vLLM tier runs once
-# both are done, and a failure in the fast tier does not keep the vLLM tier from running:
-# make test fails if either failed.
-test: $(STAMP)
-	@echo "building $(VLLM_VENV) beside the fast tier (log: $(VLLM_VENV).log)"
+# while .venv is built (one pip process: a core is free) and the fast tier runs (its pip output
+# goes to $(VLLM_VENV).log), the vLLM tier runs once both are done, and a failure in the fast
+# tier does not keep the vLLM tier from running: make test fails if either failed.
+test:
+	@echo "building $(VLLM_VENV) beside .venv and the fast tier (log: $(VLLM_VENV).log)"
 	@rc=0; \
 	( $(MAKE) --no-print-directory venv-vllm > $(VLLM_VENV).log 2>&1 ) & build=$$!; \
+	$(MAKE) --no-print-directory venv || { wait $$build; exit 1; }; \
 	$(MAKE) --no-print-directory -k test-fast || rc=1; \
 	wait $$build || { tail -40 $(VLLM_VENV).log; echo "make venv-vllm failed (log: $(VLLM_VENV).log)"; exit 1; }; \
 	$(MAKE) --no-print-directory test-vllm || rc=1; \
