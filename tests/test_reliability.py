@@ -873,11 +873,13 @@ def test_e2e_killed_mid_checkpoint_and_worker_lost_mid_update_then_resumed_runs_
     assert sorted(logged) == [1]
 
     # piece 1: one agent's workers SIGKILLed a random moment into step 3's update: within the
-    # first half of the shortest update seen so far, the reference's step 3 or piece 0's steps,
-    # which ran on this machine at another load (the test next to it on the other xdist worker)
+    # first 15 % of the shortest update seen so far, the reference's step 3 or piece 0's steps,
+    # which ran on this machine at another load (the test next to it on the other xdist worker).
+    # An update on an idle machine ran in under half the shortest one seen under load (a fresh
+    # clone's make test: the kill, at 0.28 s, found step 3 past its update)
     update_s = min([reference_steps[3]["timing_s/update_actor"]]
                    + [data["timing_s/update_actor"] for data in _steps(out).values()])
-    delay = random.uniform(0.0, 0.5) * update_s
+    delay = random.uniform(0.0, 0.15) * update_s
     out, progress, log, proc = start(1)
     try:
         seen = _wait_for_phase(proc, progress, 3, "update_actor")
