@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from helpers.golden import replay_overrides
+from helpers.golden import replay_overrides, training_metrics
 
 from recipe_hacpo import batch_keys as K
 from recipe_hacpo.config import agents_overrides
@@ -60,20 +60,23 @@ def train_steps(records: list[dict]) -> dict[int, dict]:
     return {r["step"]: r["data"] for r in records if "training/global_step" in r["data"]}
 
 
-# what only an asynchronous run reports, or what differs from run to run by construction (timings)
-NOT_TRAINING = ("/async/", "timing_s/", "/perf/", "/val/")
+# what only an asynchronous run reports (its clock, its takes), and held-out results, which it
+# computes at each agent's own steps
+ASYNC_ONLY = ("/async/", "/val/")
 
 
-def training_metrics(metrics: dict) -> dict:
-    """A step's per-agent training metrics: what an asynchronous run at equal costs must equal."""
-    return {k: v for k, v in metrics.items() if k.startswith("agent/") and not any(p in k for p in NOT_TRAINING)}
+def agent_training_metrics(metrics: dict) -> dict:
+    """A step's per-agent training metrics (helpers/golden.py's `training_metrics` below agent/,
+    without ASYNC_ONLY): what an asynchronous run at equal costs must equal."""
+    return {k: v for k, v in training_metrics(metrics).items()
+            if k.startswith("agent/") and not any(p in k for p in ASYNC_ONLY)}
 
 
 def assert_same_training_metrics(got: dict[int, dict], want: dict[int, dict], at_least: int) -> None:
     """Every step's training metrics of `got` equal `want`'s (same keys, at least `at_least` of them)."""
     assert sorted(got) == sorted(want), (sorted(got), sorted(want))
     for step in sorted(want):
-        g, w = training_metrics(got[step]), training_metrics(want[step])
+        g, w = agent_training_metrics(got[step]), agent_training_metrics(want[step])
         assert len(w) >= at_least and set(w) == set(g), (step, sorted(set(w) ^ set(g)))
         for key, value in w.items():
             assert math.isclose(g[key], value, rel_tol=1e-5, abs_tol=1e-7), (step, key, g[key], value)
