@@ -33,6 +33,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.ray]
 
 NAMES = ["qwen_char", "llama_pair"]
 VIRTUAL = ["trainer.async.enable=true", "trainer.async.clock=virtual"]
+
+
 def test_equal_costs_equal_the_lockstep_trainer_metric_for_metric(tmp_path, warm_agent_paths, hacpo_pair_reference):
     _, lockstep = hacpo_pair_reference
     records = run_main(str(tmp_path), agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS) + HACPO_PAIR_RUN + VIRTUAL
