@@ -3,7 +3,8 @@
     python -m recipe_hacpo.config_reference > docs/CONFIG.md
 
 Read from where each key is declared, so the page cannot drift from the code (a test compares):
-    agents, agents_*       configs/hacpo_base.yaml (the comment above each key)
+    method, agents, agents_*   configs/hacpo_base.yaml (the comment above each key)
+    the run's identity     recipe_hacpo/run_identity.py (IDENTITY_KEYS, RESUMABLE_KEYS)
     algorithm.hacpo.*      recipe_hacpo/hacpo_settings.py (`markdown_table`)
     trainer.*              configs/hacpo_base.yaml, the keys verl's own trainer config does not have
     trainer.rollout_check  recipe_hacpo/rollout_check.py (`ROLLOUT_CHECK_DEFAULTS` and its comments)
@@ -81,6 +82,9 @@ def reference() -> str:
     verl_keys = verl_trainer_keys()
     from recipe_hacpo.config import AGENT_KEYS
 
+    from recipe_hacpo.run_identity import IDENTITY_FILE, IDENTITY_KEYS, RESUMABLE_KEYS
+
+    method = [r for r in base if r[0] == "method"]
     agents = [r for r in base if r[0] == "agents" or r[0].startswith("agents_")]
     agents += [(f"agents.<name>.{key}", _shown(default), meaning) for key, (default, meaning) in AGENT_KEYS.items()]
     trainer = [r for r in base if r[0].startswith("trainer.") and r[0].split(".")[1] not in verl_keys]
@@ -95,6 +99,26 @@ def reference() -> str:
         "`python -m recipe_hacpo.config_reference > docs/CONFIG.md` from where each key is declared",
         "(`configs/hacpo_base.yaml`, `recipe_hacpo/hacpo_settings.py`, `recipe_hacpo/rollout_check.py`);",
         "`tests/test_config_reference.py` fails when this page and the code disagree.",
+        "",
+        "## The run and its identity",
+        "",
+        _table(method),
+        "",
+        f"Every checkpoint records what trained it (`global_step_N/{IDENTITY_FILE}`, recipe_hacpo/run_identity.py).",
+        "A launch that would resume from a checkpoint whose identity differs from its own is refused before Ray",
+        "starts, in one line naming every key that differs with both values; `trainer.resume_mode=disable`",
+        "starts it fresh in that folder, another `trainer.default_local_dir` gives it its own. A checkpoint",
+        "written before identities were recorded resumes with one warning line. The identity:",
+        "",
+        "| key | what it records |",
+        "|---|---|",
+        *[f"| `{k}` | {v} |" for k, v in IDENTITY_KEYS.items()],
+        "",
+        "Free to change across a resume (the run stays the same run), among others:",
+        "",
+        "| keys | why |",
+        "|---|---|",
+        *[f"| `{k.replace(', ', '`, `')}` | {v} |" for k, v in RESUMABLE_KEYS.items()],
         "",
         "## Agents",
         "",

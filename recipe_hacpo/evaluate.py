@@ -1,7 +1,7 @@
 """Evaluate each agent's checkpoint on the math benchmarks and write the paper's Table 1.
 
     python -m recipe_hacpo.evaluate \\
-        --checkpoint hacpo_1.7b=outputs/<pair>/checkpoints/global_step_58/qwen3_1p7b_base \\
+        --checkpoint hacpo_1.7b=outputs/<pair>_hacpo/checkpoints/global_step_58/qwen3_1p7b_base \\
         --checkpoint base_1.7b=/models/Qwen3-1.7B-Base \\
         --bench-dir data/paper --out eval/
 
@@ -73,7 +73,8 @@ from recipe_hacpo.evaluation.benchmarks import (
     load_benchmark,
     parse_pairs,
 )
-from recipe_hacpo.evaluation.checkpoints import path_name, agent_checkpoints, resolve_checkpoint
+from recipe_hacpo.evaluation.checkpoints import path_name, agent_checkpoints, resolve_checkpoint, trainer_step_dir
+from recipe_hacpo.run_identity import describe_checkpoint
 from recipe_hacpo.evaluation.generators import GenOptions, gpu_groups, make_generator, pick_backend
 from recipe_hacpo.evaluation.tables import write_tables
 
@@ -357,6 +358,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.max_new_tokens < 1 or args.batch_size < 1:
             raise EvalError("--max-new-tokens and --batch-size must be >= 1")
         benchmarks = build_benchmarks(args.bench, args.bench_dir, args.metric, args.samples)
+        # first, what trained each trainer checkpoint to be evaluated (method, agents, step)
+        for step_dir in dict.fromkeys(filter(None, (trainer_step_dir(path) for _, path in checkpoints))):
+            print(describe_checkpoint(step_dir), flush=True)
         try:
             template_kwargs = json.loads(args.chat_template_kwargs)
         except json.JSONDecodeError as e:

@@ -1,6 +1,6 @@
 """A trained run's agents as Hugging Face folders, one per agent: what inference, vLLM and the Hub take.
 
-    python -m recipe_hacpo.export outputs/<pair>/checkpoints --out exported/ [--step N] [--agents a,b] [--dtype bfloat16]
+    python -m recipe_hacpo.export outputs/<pair>_<method>/checkpoints --out exported/ [--step N] [--agents a,b] [--dtype bfloat16]
 
 The first argument is a run's checkpoint folder (`trainer.default_local_dir`: its newest complete
 checkpoint, or `--step N`) or one `global_step_N` folder. Each agent's FSDP shards are merged
@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from typing import Callable, Sequence
 
 from recipe_hacpo import quiet  # noqa: F401  (no progress bars unless HACPO_VERBOSE=1)
 from recipe_hacpo.evaluation import EvalError
 from recipe_hacpo.evaluation.checkpoints import checkpoint_agents, merge_fsdp_checkpoint, path_name
 from recipe_hacpo.cluster.reliability import CheckpointError, checkpoint_problem, find_resume_checkpoint
+from recipe_hacpo.run_identity import describe_checkpoint
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -48,12 +49,13 @@ def step_folder(run: str, step: int | None) -> str:
 
 
 def export(run: str, out: str, *, step: int | None = None, agents: Sequence[str] | None = None,
-           dtype: str | None = None) -> dict[str, str]:
+           dtype: str | None = None, log: Callable[[str], None] = print) -> dict[str, str]:
     """{agent: exported folder}; every check (the checkpoint, the agents, the dtype) comes before
-    the first merge."""
+    the first merge. `log` first gets one line naming what trained the checkpoint (method, agents, step)."""
     if dtype is not None and dtype not in DTYPES:
         raise EvalError(f"--dtype {dtype}: one of {', '.join(DTYPES)}")
     folder = step_folder(run, step)
+    log(describe_checkpoint(folder))
     found = checkpoint_agents(folder)
     chosen = list(agents) if agents else found
     missing = [a for a in chosen if a not in found]
@@ -76,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--dtype", default=None, choices=DTYPES, help="cast the weights (default: the model config's dtype)")
     a = p.parse_args(argv)
     try:
-        done = export(a.run, a.out, step=a.step, agents=[x for x in a.agents.split(",") if x], dtype=a.dtype)
+        done = export(a.run, a.out, step=a.step, agents=[x for x in a.agents.split(",") if x], dtype=a.dtype,
+                      log=lambda line: print(line, flush=True))
     except EvalError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -41,20 +41,42 @@ def prepare(cfg: DictConfig):
     validate_async(cfg, specs, hacpo)
     check_data(cfg)
     load_reward_fn(cfg)  # a missing file or function fails here, not after the workers start
+    check_resume_identity(cfg, specs)
     check_resume_layout(cfg, specs)
     return specs, hacpo
+
+
+def _checkpoint_to_resume(cfg: DictConfig, specs) -> str | None:
+    """The checkpoint the trainer will load, or None (a fresh start, or a problem the trainer
+    names in its own one-line error)."""
+    from recipe_hacpo.cluster.reliability import CheckpointError, checkpoint_to_resume
+
+    try:
+        return checkpoint_to_resume(cfg.trainer, [s.name for s in specs]).path
+    except CheckpointError:
+        return None
+
+
+def check_resume_identity(cfg: DictConfig, specs) -> None:
+    """A resume from another run's checkpoint (another method, agents, models, rollout_n, reward,
+    data or trainer: recipe_hacpo/run_identity.py) is refused here, before anything is written."""
+    from recipe_hacpo import run_identity
+
+    path = _checkpoint_to_resume(cfg, specs)
+    if path is None:
+        return
+    warning = run_identity.check_resume_identity(path, run_identity.run_identity(cfg, specs), str(cfg.trainer.resume_mode))
+    if warning:
+        print(warning, flush=True)
 
 
 def check_resume_layout(cfg: DictConfig, specs) -> None:
     """A resume onto another per-agent GPU count fails inside verl's workers, minutes in: name
     both layouts here instead. The checkpoint is the one the trainer will load (or none)."""
     from recipe_hacpo.config import data_parallel_world
-    from recipe_hacpo.cluster.reliability import CheckpointError, checkpoint_to_resume, saved_world_size
+    from recipe_hacpo.cluster.reliability import saved_world_size
 
-    try:
-        path = checkpoint_to_resume(cfg.trainer, [s.name for s in specs]).path
-    except CheckpointError:
-        return  # the trainer's own one-line error
+    path = _checkpoint_to_resume(cfg, specs)
     if path is None:
         return
     for s in specs:

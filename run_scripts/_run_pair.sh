@@ -33,18 +33,15 @@ case $PLACEMENT in
         exit 2 ;;
 esac
 
+# the preset names the run and its folder after the method ($HACPO_OUTPUT_DIR/${PAIR}_<method>):
+# a baseline never resumes the HACPO run, and a resume by another run is refused before Ray
 method=()
 if [[ -n ${BASELINE:-} ]]; then
-    # its own run name and checkpoint folder, so a baseline never resumes the HACPO run
-    method=(
-        "+baseline=$BASELINE"
-        "trainer.experiment_name=${PAIR}_$BASELINE"
-        "trainer.default_local_dir=$HACPO_OUTPUT_DIR/${PAIR}_$BASELINE/checkpoints"
-    )
+    method=("+baseline=$BASELINE")
 fi
 
 exec python -m recipe_hacpo.main --config-name "$PRESET" \
-    hydra.run.dir="$HACPO_OUTPUT_DIR/$PAIR/hydra/$(date +%Y%m%d-%H%M%S)" \
+    hydra.run.dir="$HACPO_OUTPUT_DIR/${PAIR}_${BASELINE:-hacpo}/hydra/$(date +%Y%m%d-%H%M%S)" \
     ${placement[@]+"${placement[@]}"} \
     ${method[@]+"${method[@]}"} \
     "$@"

@@ -82,6 +82,16 @@ def agent_checkpoints(spec: str) -> list[tuple[str, str]]:
     return [(f"{prefix}/{a}" if prefix else a, os.path.join(step_dir, a)) for a in agents]
 
 
+def trainer_step_dir(path: str) -> str | None:
+    """The `global_step_N` folder that holds `path` (`global_step_N/<agent>[/actor]`), or None
+    for a path outside a trainer checkpoint."""
+    parts = os.path.normpath(path).split(os.sep)
+    for i in (len(parts) - 2, len(parts) - 3):
+        if i >= 0 and re.fullmatch(r"global_step_\d+", parts[i]):
+            return os.sep.join(parts[: i + 1]) or os.sep
+    return None
+
+
 def checkpoint_agents(step_dir: str) -> list[str]:
     """The agents of one `global_step_N` folder: those with an `actor/` folder, sorted."""
     return sorted(d for d in os.listdir(step_dir) if os.path.isdir(os.path.join(step_dir, d, "actor")))

@@ -31,6 +31,7 @@ import time
 import uuid
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+import functools
 from functools import partial
 from typing import Callable, TypeVar
 
@@ -62,6 +63,7 @@ from recipe_hacpo.cluster.reliability import (
 )
 from recipe_hacpo.training.progress import ProgressLines
 from recipe_hacpo.rollout_check import PATH as ROLLOUT_CHECK_PATH
+from recipe_hacpo.run_identity import run_identity, write_identity
 from recipe_hacpo.rollout_check import agent_precision, mismatch_message, mismatch_stats, violations
 from recipe_hacpo.cluster.preemption import (
     PreemptionSettings,
@@ -547,6 +549,11 @@ class HacpoTrainer:
     def checkpoint_root(self) -> str:
         return str(self.config.trainer.default_local_dir)
 
+    @functools.cached_property
+    def identity(self) -> dict:
+        """This run's identity (recipe_hacpo/run_identity.py), recorded in every checkpoint."""
+        return run_identity(self.config, self.specs)
+
     def trainer_state(self) -> dict:
         """What a checkpoint holds besides the agents' workers: step, capability history, data
         position and RNGs (copied, so a snapshot taken between steps stays as it was)."""
@@ -578,6 +585,7 @@ class HacpoTrainer:
             except Exception as exc:
                 # the temp dir stays torn and is never published; the previous checkpoint stays latest
                 raise AgentError(name, f"checkpoint of step {step} failed: {describe_failure(exc)}") from exc
+        write_identity(tmp, self.identity)  # what trained it: a resume by another run is refused
         torch.save(state, os.path.join(tmp, STATE_FILE))
         replace_dir(tmp, final)
         atomic_write_text(os.path.join(self.checkpoint_root, LATEST_FILE), str(step))
