@@ -132,7 +132,7 @@ def test_paths_come_from_the_environment(monkeypatch):
     assert [s.model_path for s in specs] == ["/models/a", "/models/b"]
     assert cfg.data.train_files == "/data/hacpo/math_train.parquet"
     assert cfg.data.val_files == "/data/hacpo/math500_test.parquet"
-    assert cfg.trainer.default_local_dir == "/runs/qwen3-4b-base_llama3p2-3b-instruct/checkpoints"
+    assert cfg.trainer.default_local_dir == "/runs/qwen3-4b-base_llama3p2-3b-instruct_hacpo/checkpoints"
 
 
 @pytest.mark.parametrize(

@@ -120,11 +120,15 @@ def test_every_trainer_command_of_the_readme_composes_and_passes_the_checks(monk
             assert len(specs) == 3, (name, args)
 
 
-def test_readme_evaluate_example_reads_where_the_presets_write():
-    for path in re.findall(r"--agents-from (\S+)", README):
-        pair = path.split("/")[1]
-        preset = (REPO / "configs" / f"pair_{pair}.yaml").read_text()
-        assert f"{{oc.env:HACPO_OUTPUT_DIR,outputs}}/{pair}/checkpoints" in preset, path
+def test_readme_evaluate_and_export_examples_read_where_the_presets_hacpo_run_writes(monkeypatch):
+    from helpers.compose import compose_config
+
+    monkeypatch.delenv("HACPO_OUTPUT_DIR", raising=False)
+    paths = re.findall(r"--agents-from (\S+)", README) + re.findall(r"recipe_hacpo\.export (\S+)", README)
+    assert len(paths) == 3
+    for path in paths:
+        pair = path.split("/")[1].removesuffix("_hacpo")
+        assert compose_config(f"pair_{pair}").trainer.default_local_dir == path, path
 
 
 def test_fresh_clone_installs_cpu_torch_first_then_every_extra_the_tests_need(clone, tmp_path):

@@ -170,8 +170,14 @@ def test_pair_script_passes_paths_and_overrides_through(standins):
     [(argv, environ)] = calls
     assert argv[:4] == ["python", "-m", "recipe_hacpo.main", "--config-name"] and argv[4] == f"pair_{PAIR}"
     assert argv[-2:] == ["trainer.total_training_steps=2", "trainer.logger=[console,wandb]"]
-    assert any(a.startswith(f"hydra.run.dir=outputs/{PAIR}/hydra/") for a in argv)
+    assert any(a.startswith(f"hydra.run.dir=outputs/{PAIR}_hacpo/hydra/") for a in argv)
+    assert not any(a.startswith(("+baseline=", "trainer.default_local_dir=")) for a in argv)
     assert (environ["HACPO_MODEL_A"], environ["HACPO_DATA_DIR"]) == ("/m/a", "data/paper")
+
+    # a baseline: the preset names its run and folder after it (tests/test_run_identity.py)
+    proc, calls = standins(script, BASELINE="gspo")
+    [(argv, _)] = calls
+    assert "+baseline=gspo" in argv and any(a.startswith(f"hydra.run.dir=outputs/{PAIR}_gspo/hydra/") for a in argv)
 
     proc, calls = standins(script, PLACEMENT="shared", PRESET=f"pair_{PAIR}_4gpu")
     [(argv, _)] = calls
