@@ -34,7 +34,8 @@ IDENTITY_VERSION = 1
 # differing between a checkpoint and this launch makes this launch another run
 IDENTITY_KEYS = {
     "method": "the method's name: the baseline of `+baseline=NAME` (configs/baseline/), else algorithm.hacpo.mode",
-    "algorithm.hacpo.mode": "the method's module (recipe_hacpo/methods/)",
+    "algorithm.hacpo.*": "the method's settings, every key (docs/ALGORITHM.md): its module (`mode`), α, the bounds, "
+                         "the selection of peer rows, ...",
     "agents": "the agents by name, in order (the agent index j)",
     "agents.<name>.model_path": "the model the agent started from",
     "agents.<name>.model_digest": "sha256 of that model's config and tokenizer files (a local folder, or the "
@@ -126,12 +127,12 @@ def _agent_value(cfg: DictConfig, spec, key: str, default: Any) -> Any:
 
 def run_identity(cfg: DictConfig, specs) -> dict[str, Any]:
     """This launch's identity, flat: {key: value} with the keys of IDENTITY_KEYS (per agent)."""
-    mode = str(OmegaConf.select(cfg, "algorithm.hacpo.mode", default="hacpo"))
-    identity: dict[str, Any] = {
-        "method": str(cfg.get("method") or mode),
-        "algorithm.hacpo.mode": mode,
-        "agents": [s.name for s in specs],
-    }
+    settings = OmegaConf.select(cfg, "algorithm.hacpo", default=None)
+    settings = OmegaConf.to_container(settings, resolve=True) if settings is not None else {}
+    mode = str(settings.get("mode", "hacpo"))
+    identity: dict[str, Any] = {"method": str(cfg.get("method") or mode), "algorithm.hacpo.mode": mode}
+    identity.update({f"algorithm.hacpo.{k}": v for k, v in sorted(settings.items()) if k != "mode"})
+    identity["agents"] = [s.name for s in specs]
     for s in specs:
         key = f"agents.{s.name}"
         identity[f"{key}.model_path"] = s.model_path
@@ -167,12 +168,13 @@ def read_identity(folder: str) -> dict[str, Any] | None:
 
 
 def identity_differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """'key: checkpoint X, this run Y' for every identity key that differs. Per-agent keys are
-    compared for the agents both have (an added or dropped agent shows in `agents`)."""
+    """'key: checkpoint X, this run Y' for every identity key that differs. Compared: the keys
+    both record (a setting a later version adds is not held against an older checkpoint), and
+    per-agent keys for the agents both have (an added or dropped agent shows in `agents`)."""
     both = set(saved.get("agents") or []) & set(current.get("agents") or [])
     out = []
-    for key in dict.fromkeys([*saved, *current]):
-        if key.startswith("agents.") and key.split(".")[1] not in both:
+    for key in saved:
+        if key not in current or (key.startswith("agents.") and key.split(".")[1] not in both):
             continue
         old, new = saved.get(key), current.get(key)
         if old != new:

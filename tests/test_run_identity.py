@@ -72,7 +72,11 @@ def _cases(tmp_path, paths):
         "method": (["+baseline=gspo"], ["method: checkpoint 'hacpo', this run 'gspo'",
                                         "algorithm.hacpo.mode: checkpoint 'hacpo', this run 'isolated'",
                                         "agents.qwen_char.policy_loss: checkpoint null, this run 'gspo'"]),
-        "algorithm.hacpo.mode": (["algorithm.hacpo.mode=naive"], ["algorithm.hacpo.mode: checkpoint 'hacpo', this run 'naive'"]),
+        "algorithm.hacpo.*": (["algorithm.hacpo.mode=naive", "algorithm.hacpo.share_selection=complementary",
+                               "algorithm.hacpo.alpha=1.5"],
+                              ["algorithm.hacpo.mode: checkpoint 'hacpo', this run 'naive'",
+                               "algorithm.hacpo.share_selection: checkpoint 'all', this run 'complementary'",
+                               "algorithm.hacpo.alpha: checkpoint 1.0, this run 1.5"]),
         "agents (added)": ([f"+agents.third={{model_path:{paths['qwen2-char-medium']},rollout_n:4}}"],
                            ["agents: checkpoint [qwen_char, llama_pair], this run [qwen_char, llama_pair, third]"]),
         "agents (dropped)": (["~agents.llama_pair"], ["agents: checkpoint [qwen_char, llama_pair], this run [qwen_char]"]),
@@ -147,6 +151,16 @@ def test_every_listed_change_resumes_the_same_run(saved, tmp_path):
     moved.mkdir()
     shutil.copy(os.path.join(DATA, "arith_add1_train.parquet"), moved)
     assert ri.check_resume_identity(folder, _identity(base + [f"data.train_files={moved}/arith_add1_train.parquet"]), "auto") is None
+
+
+def test_a_setting_the_checkpoint_did_not_record_is_not_held_against_it(saved):
+    """A later version's new identity key (here: a method setting) leaves older checkpoints resumable."""
+    folder, base = saved
+    older = ri.read_identity(folder)
+    del older["algorithm.hacpo.alpha"]
+    ri.write_identity(folder, older)
+    assert ri.check_resume_identity(folder, _identity(base + ["algorithm.hacpo.alpha=1.5"]), "auto") is None
+    assert "algorithm.hacpo.mode: checkpoint 'hacpo'" in _refusal(folder, base + ["algorithm.hacpo.mode=naive"])
 
 
 def test_resume_from_path_names_its_own_way_out(saved):
