@@ -46,13 +46,13 @@ def prepare(cfg: DictConfig):
     return specs, hacpo
 
 
-def _checkpoint_to_resume(cfg: DictConfig, specs) -> str | None:
-    """The checkpoint the trainer will load, or None (a fresh start, or a problem the trainer
-    names in its own one-line error)."""
+def _checkpoint_to_resume(cfg: DictConfig, agent_names) -> str | None:
+    """The checkpoint the trainer will load, complete for `agent_names`, or None (a fresh start,
+    or a problem the trainer names in its own one-line error)."""
     from recipe_hacpo.cluster.reliability import CheckpointError, checkpoint_to_resume
 
     try:
-        return checkpoint_to_resume(cfg.trainer, [s.name for s in specs]).path
+        return checkpoint_to_resume(cfg.trainer, agent_names).path
     except CheckpointError:
         return None
 
@@ -62,7 +62,9 @@ def check_resume_identity(cfg: DictConfig, specs) -> None:
     data or trainer: recipe_hacpo/run_identity.py) is refused here, before anything is written."""
     from recipe_hacpo import run_identity
 
-    path = _checkpoint_to_resume(cfg, specs)
+    # complete by its own agents (its state is written last): a run that adds an agent is named
+    # here as another run, not as a folder of incomplete checkpoints
+    path = _checkpoint_to_resume(cfg, [])
     if path is None:
         return
     warning = run_identity.check_resume_identity(path, run_identity.run_identity(cfg, specs), str(cfg.trainer.resume_mode))
@@ -76,7 +78,7 @@ def check_resume_layout(cfg: DictConfig, specs) -> None:
     from recipe_hacpo.config import data_parallel_world
     from recipe_hacpo.cluster.reliability import saved_world_size
 
-    path = _checkpoint_to_resume(cfg, specs)
+    path = _checkpoint_to_resume(cfg, [s.name for s in specs])
     if path is None:
         return
     for s in specs:

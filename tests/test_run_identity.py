@@ -297,7 +297,7 @@ def _main(overrides: list[str], env: dict, timeout: int = 900) -> subprocess.Com
 @pytest.mark.e2e
 @pytest.mark.ray
 def test_e2e_a_baseline_in_hacpos_folder_is_refused_and_with_default_folders_starts_fresh_in_its_own(
-    tmp_path, warm_agent_paths, hacpo_pair_reference
+    tmp_path, warm_agent_paths, hacpo_pair_reference, monkeypatch
 ):
     """The documented comparison, as a user runs it: HACPO trained (conftest's 3-step run, every step
     checkpointed), then the GSPO baseline of the same pair.
@@ -313,6 +313,8 @@ def test_e2e_a_baseline_in_hacpos_folder_is_refused_and_with_default_folders_sta
     outputs = tmp_path / "outputs"
     hacpo_dir = outputs / "hacpo" / "checkpoints"  # where hacpo_cpu_demo's HACPO run writes by default
     shutil.copytree(os.path.join(reference, "ckpt"), hacpo_dir)
+    # its metrics file where a run writes it without VERL_FILE_LOGGER_PATH: beside the checkpoints
+    shutil.copy(os.path.join(reference, "metrics.jsonl"), hacpo_dir / "metrics.jsonl")
     env = dict(os.environ, HACPO_DATA_DIR=DATA, HACPO_OUTPUT_DIR=str(outputs))
     env.pop("VERL_FILE_LOGGER_PATH", None)
     common = agent_overrides(warm_agent_paths, HACPO_PAIR_KINDS) + [
@@ -322,7 +324,9 @@ def test_e2e_a_baseline_in_hacpos_folder_is_refused_and_with_default_folders_sta
     assert {"metrics.jsonl", "global_step_3/run_identity.json"} <= set(before) and any(k.startswith("tensorboard/") for k in before)
 
     # the docs' baseline command, pointed at HACPO's folder
-    proc = _main(common + ["+baseline=gspo", "trainer.total_training_steps=4", f"trainer.default_local_dir={hacpo_dir}"], env)
+    # (the demo's batch of 8 prompts takes mini-batches of 4, not GSPO's 64)
+    gspo = ["+baseline=gspo", "actor_rollout_ref.actor.ppo_mini_batch_size=4"]
+    proc = _main(common + gspo + ["trainer.total_training_steps=4", f"trainer.default_local_dir={hacpo_dir}"], env)
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith(f"error: resume from {hacpo_dir}/global_step_3: written by another run (method: checkpoint "
@@ -331,7 +335,12 @@ def test_e2e_a_baseline_in_hacpos_folder_is_refused_and_with_default_folders_sta
     assert "starting the workers" not in proc.stdout
     assert _tree(str(hacpo_dir)) == before
 
-    # another model for one agent, an added agent, another reward function: refused the same way
+    # another model for one agent, an added agent, another reward function: refused the same way, by
+    # the same checks the command above ran (main.prepare, in this process: no launch each)
+    from recipe_hacpo.main import prepare
+
+    monkeypatch.setenv("HACPO_DATA_DIR", DATA)
+    monkeypatch.setenv("HACPO_OUTPUT_DIR", str(outputs))
     reward = tmp_path / "my_reward.py"
     reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
     for extra, named in [
@@ -340,12 +349,14 @@ def test_e2e_a_baseline_in_hacpos_folder_is_refused_and_with_default_folders_sta
           "ray_kwargs.ray_init.num_gpus=3"], "agents: checkpoint [qwen_char, llama_pair], this run [qwen_char, llama_pair, third]"),
         ([f"reward.custom_reward_function.path={reward}"], f"reward.custom_reward_function.path: checkpoint 'package', this run '{reward}'"),
     ]:
-        proc = _main(common + ["trainer.total_training_steps=4", *extra], env)
-        assert proc.returncode == 2 and named in proc.stderr.strip().splitlines()[-1], (extra, proc.stderr[-3000:])
+        with pytest.raises(ConfigError) as refused:
+            prepare(compose_config("hacpo_cpu_demo", common + ["trainer.total_training_steps=4", *extra]))
+        assert str(refused.value).startswith(f"resume from {hacpo_dir}/global_step_3: written by another run (")
+        assert named in str(refused.value), (extra, str(refused.value))
     assert _tree(str(hacpo_dir)) == before
 
     # the same baseline command with the default folders: a fresh run of its own
-    proc = _main(common + ["+baseline=gspo", "trainer.total_training_steps=1"], env)
+    proc = _main(common + gspo + ["trainer.total_training_steps=1"], env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     gspo_dir = outputs / "gspo" / "checkpoints"
     assert os.path.isfile(gspo_dir / "global_step_1" / ri.IDENTITY_FILE)
@@ -361,5 +372,5 @@ def test_e2e_a_baseline_in_hacpos_folder_is_refused_and_with_default_folders_sta
     after = _tree(str(hacpo_dir))
     assert after["global_step_3/run_identity.json"] == before["global_step_3/run_identity.json"]
     # the run's own metrics file kept its steps and added step 4
-    assert open(hacpo_dir / "metrics.jsonl").read().startswith(open(os.path.join(reference, "ckpt", "metrics.jsonl")).read())
+    assert open(hacpo_dir / "metrics.jsonl").read().startswith(open(os.path.join(reference, "metrics.jsonl")).read())
     assert sorted(logged_steps(str(hacpo_dir))) == [1, 2, 3, 4]
