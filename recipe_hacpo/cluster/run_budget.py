@@ -277,8 +277,12 @@ def budget(cfg, specs, plans: list[AgentPlan], step_s: float, rows_per_prompt: d
     n_ckpt = None if steps is None else checkpoint_writes(steps, int(t.get("save_freq", -1) or -1))
     margin = PreemptionSettings.from_config(t).margin_s
     lead = signal_lead_s(step_s, write, margin)
-    partial = RunBudget(steps, step_s, n_val, val_s, n_ckpt, write, settings.checkpoint_write_gib_s, joint, t.get("max_actor_ckpt_to_keep"),
-                        node_host_bytes(plans, int(t.n_gpus_per_node)), int(t.n_gpus_per_node), lead, None, tuple(notes))
+    partial = RunBudget(
+        steps=steps, step_s=step_s, n_validations=n_val, validation_s=val_s, n_checkpoints=n_ckpt, write_s=write,
+        write_gib_s=settings.checkpoint_write_gib_s, joint_bytes=joint, keep=t.get("max_actor_ckpt_to_keep"),
+        host_node_bytes=node_host_bytes(plans, int(t.n_gpus_per_node)), gpus_per_node=int(t.n_gpus_per_node),
+        lead_s=lead, limit_s=None, notes=tuple(notes),
+    )
     run = partial.run_s
     return replace(partial, limit_s=None if run is None else time_limit_s(run, lead))
 
