@@ -45,6 +45,9 @@ With vLLM every checkpoint runs in its own process (its engine and GPU memory ar
 the process ends), and checkpoints are spread over the GPUs: one at a time per group of
 `--tensor-parallel-size` GPUs of `--gpus` (default: every visible GPU).
 
+Printed after the table: each checkpoint's AVG over the seven benchmarks alone, written as the
+paper writes its averages (.493), for setting beside docs/REPRODUCE.md's expected numbers.
+
 Output in `--out`: `table.md` and `table.csv` (rows: checkpoints; columns: MATH-500, MATH,
 GSM8K, AIME25, AMC23, Minerva, OlympiadBench — those evaluated, in this order — then extra
 benchmarks, then AVG, the unweighted mean over the row's benchmarks), `metrics.json` (every
@@ -76,7 +79,7 @@ from recipe_hacpo.evaluation.benchmarks import (
 from recipe_hacpo.evaluation.checkpoints import path_name, agent_checkpoints, resolve_checkpoint, trainer_step_dir
 from recipe_hacpo.run_identity import describe_checkpoint
 from recipe_hacpo.evaluation.generators import GenOptions, gpu_groups, make_generator, pick_backend
-from recipe_hacpo.evaluation.tables import write_tables
+from recipe_hacpo.evaluation.tables import format_paper_average, write_tables
 
 # --------------------------------------------------------------------------- evaluation
 
@@ -390,6 +393,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     md_path, csv_path = write_tables(results, benchmarks, args.out, args.percent)
     with open(md_path) as f:
         print(f.read(), end="")
+    print()
+    print(format_paper_average(results), end="")
     print(f"wrote {md_path}, {csv_path}, {os.path.join(args.out, 'metrics.json')}")
     return 0
 

@@ -162,7 +162,8 @@ def build_dataloaders(cfg: DictConfig, tokenizer):
 
 def plan_only(cfg: DictConfig) -> int:
     """`trainer.plan_only=true`: print each agent's GPU memory plan, the time estimate of a step
-    and the ranking of GPU splits (`time_plan`), validate, start nothing.
+    and the ranking of GPU splits (`time_plan`), the whole run's budget and the Slurm lines it
+    implies (`budget_plan`), validate, start nothing.
 
     Returns the exit status: 0 when every agent fits (or could not be estimated: no local
     config.json), 1 when one does not fit; other configuration errors raise ConfigError.
@@ -175,6 +176,9 @@ def plan_only(cfg: DictConfig) -> int:
     plans = planner.plan(cfg, specs, gib)
     print(planner.format_plan(plans, gib, cfg.trainer.get("max_actor_ckpt_to_keep")))
     print(time_plan(cfg, specs, plans, asynchronous=True))
+    budget = budget_plan(cfg, specs, plans)
+    if budget:
+        print(budget)
     bad = [p for p in plans if p.problems]
     if bad:
         print(f"error: agent {bad[0].name}: {bad[0].problems[0]}", file=sys.stderr)
@@ -279,6 +283,20 @@ def time_plan(cfg: DictConfig, specs, plans, asynchronous: bool = False, top: in
                      "a prediction of the schedule only: the trainer has no asynchronous mode yet")
     lines += _split_lines(cfg, specs, shapes, rows, by_split, top)
     return "\n".join(lines)
+
+
+def budget_plan(cfg: DictConfig, specs, plans) -> str:
+    """The run's budget after the step estimate (recipe_hacpo/cluster/run_budget.py): its time,
+    a node's host memory, the checkpoint disk and the `#SBATCH --time` / `--signal` lines; ""
+    where the step is not estimated (trainer.device=cpu, a model without a shape)."""
+    from recipe_hacpo.cluster import run_budget
+    from recipe_hacpo.cluster import time_model as tm
+
+    if str(cfg.trainer.get("device", "cuda")) == "cpu" or not all(p.known for p in plans):
+        return ""
+    rows = rows_per_prompt(cfg, specs)
+    step = tm.estimate(cfg, specs, {p.name: p.shape for p in plans}, rows).step_s
+    return "\n".join(run_budget.format_budget(run_budget.budget(cfg, specs, plans, step, rows)))
 
 
 def _split_lines(cfg: DictConfig, specs, shapes: dict, rows: dict, asynchronous, top: int) -> list[str]:

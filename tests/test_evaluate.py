@@ -380,3 +380,60 @@ def test_isolated_checkpoints_from_the_command_line(tmp_path, tiny_agent_paths):
     assert "[a] on GPU(s) 0" in proc.stdout and "[b] on GPU(s) 1" in proc.stdout
     assert set(json.loads((out / "metrics.json").read_text())) == {"a", "b"}
     assert (out / "table.md").read_text().splitlines()[2].startswith("| a | ")
+
+
+# --------------------------------------------------------------------------- the paper's average
+
+
+def _result(values: dict, metrics: dict | None = None) -> dict:
+    metrics = metrics or {}
+    return {k: {"metric": metrics.get(k, "best@30" if k == "aime25" else "avg@1"), "value": v} for k, v in values.items()}
+
+
+# the seven in the paper's order, then an extra benchmark the paper's average leaves out
+HAND_TABLE = {
+    # (0.5 + 0.6 + 0.9 + 0.1 + 0.4 + 0.3 + 0.2) / 7 = 3.0 / 7 = 0.428571...
+    "gspo": _result(dict(math500=0.5, math=0.6, gsm8k=0.9, aime25=0.1, amc23=0.4, minerva=0.3, olympiadbench=0.2)),
+    # 3.5 / 7 = 0.5 exactly; the extra column (1.0) would make it 0.5625
+    "hacpo": _result(dict(math500=0.6, math=0.7, gsm8k=0.9, aime25=0.2, amc23=0.5, minerva=0.35, olympiadbench=0.25,
+                          svamp=1.0)),
+    "partial": _result(dict(math500=0.6, math=0.7, gsm8k=0.9, minerva=0.3, olympiadbench=0.2)),
+}
+
+
+def test_paper_average_over_the_seven_from_a_hand_built_table():
+    from recipe_hacpo.evaluation import tables
+
+    assert tables.paper_average(HAND_TABLE["gspo"]) == pytest.approx(3.0 / 7)
+    assert tables.paper_average(HAND_TABLE["hacpo"]) == pytest.approx(0.5)
+    assert tables.paper_average(HAND_TABLE["partial"]) is None
+    assert [tables.paper_figure(v) for v in (3.0 / 7, 0.5, 0.0405, 1.0)] == [".429", ".500", ".041", "1.000"]
+    other = {"other": _result({k: v["value"] for k, v in HAND_TABLE["gspo"].items()}, {"amc23": "pass@2"})}
+    assert tables.format_paper_average({**HAND_TABLE, **other}).splitlines() == [
+        "AVG over the paper's 7 benchmarks (MATH-500, MATH, GSM8K, AIME25, AMC23, Minerva, OlympiadBench), "
+        "as in docs/REPRODUCE.md, Expected numbers:",
+        "| checkpoint | AVG |",
+        "| --- | ---: |",
+        "| gspo | .429 |",
+        "| hacpo | .500 |",
+        "| partial | not made: no AIME25, AMC23 |",
+        "| other | .429 (AMC23 pass@2: not the paper's metric) |",
+    ]
+
+
+def test_the_command_prints_the_paper_average_after_the_table(tmp_path, monkeypatch, capsys):
+    bench_dir = tmp_path / "bench"
+    for key in [*SOURCES, "math"]:
+        _bench(bench_dir, key)
+    (bench_dir / "svamp_test.parquet").write_bytes((bench_dir / "math_test.parquet").read_bytes())
+    table = {"gspo": {**HAND_TABLE["gspo"], **_result({"svamp": 0.0})}, "hacpo": HAND_TABLE["hacpo"]}
+    (tmp_path / "out").mkdir()  # what evaluate() makes before its first checkpoint
+    monkeypatch.setattr(ev, "evaluate", lambda checkpoints, benchmarks, out, *a, **kw: table)
+    rc = ev.main(["--checkpoint", "gspo=/nowhere/a", "--checkpoint", "hacpo=/nowhere/b", "--bench-dir", str(bench_dir),
+                  "--bench", f"svamp={bench_dir / 'svamp_test.parquet'}", "--out", str(tmp_path / "out")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    # the table's AVG counts the extra column; the paper's average does not
+    assert "| hacpo | 0.600 | 0.700 | 0.900 | 0.200 | 0.500 | 0.350 | 0.250 | 1.000 | 0.562 |" in out
+    assert out.index("| hacpo | 0.600") < out.index("| checkpoint | AVG |")
+    assert "| gspo | .429 |\n| hacpo | .500 |\n" in out

@@ -326,7 +326,7 @@ def test_preempted_and_time_limited_job_requeues_itself_and_ends_with_the_uninte
     --signal=B:USR1@170 on the sbatch line, the defaults of hacpo.slurm otherwise):
 
     - run 0, a preemption: `scancel --batch --signal=USR1` in step 2's scoring. Time allows
-      (usr1_grace_s 300 s against a step of seconds), so the trainer finishes step 2; a second
+      (usr1_grace_s 780 s, the script's own, against a step of seconds), so the trainer finishes step 2; a second
       SIGUSR1 arrives while step 2's checkpoint is being written and changes nothing. (A SIGTERM
       from Slurm means the job is ending: the script then leaves the requeue to Slurm.) Exit 75; the script stops Ray and requeues the job.
     - run 1, the time limit: while the job waited, its limit was cut to 3 minutes, so Slurm's

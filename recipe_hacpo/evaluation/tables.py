@@ -6,8 +6,14 @@ import csv
 import os
 from typing import Sequence
 
-from recipe_hacpo.evaluation.benchmarks import Benchmark, column_order
-
+from recipe_hacpo.evaluation.benchmarks import (
+    BENCHMARKS,
+    DEFAULT_METRIC,
+    DEFAULT_METRICS,
+    LABELS,
+    Benchmark,
+    column_order,
+)
 
 
 def table_rows(results: dict, benchmarks: Sequence[Benchmark]) -> tuple[list[str], list[list]]:
@@ -46,3 +52,39 @@ def write_tables(results: dict, benchmarks: Sequence[Benchmark], out_dir: str, p
         for r in rows:
             writer.writerow([r[0]] + [f"{v:.6f}" for v in r[1:]])
     return md_path, csv_path
+
+
+def paper_average(per_bench: dict) -> float | None:
+    """The unweighted mean over the paper's seven benchmarks (BENCHMARKS) of one checkpoint's
+    results, whatever else it was evaluated on; None when one of the seven is missing."""
+    if any(key not in per_bench for key, _ in BENCHMARKS):
+        return None
+    return sum(per_bench[key]["value"] for key, _ in BENCHMARKS) / len(BENCHMARKS)
+
+
+def paper_figure(value: float) -> str:
+    """A fraction as the paper's averages are written: three decimals, no leading zero (.493)."""
+    text = f"{value:.3f}"
+    return text[1:] if text.startswith("0.") else text
+
+
+def format_paper_average(results: dict) -> str:
+    """Each checkpoint's average over the seven benchmarks, in the form of docs/REPRODUCE.md's
+    table of the paper's figures ("Expected numbers"), so the two can be set side by side. A
+    checkpoint without all seven gets no average (which are missing is said); a benchmark scored
+    by another metric than the paper's is named beside the figure."""
+    lines = [f"AVG over the paper's {len(BENCHMARKS)} benchmarks ({', '.join(label for _, label in BENCHMARKS)}), "
+             "as in docs/REPRODUCE.md, Expected numbers:",
+             "| checkpoint | AVG |", "| --- | ---: |"]
+    for name, per_bench in results.items():
+        average = paper_average(per_bench)
+        if average is None:
+            missing = [label for key, label in BENCHMARKS if key not in per_bench]
+            lines.append(f"| {name} | not made: no {', '.join(missing)} |")
+            continue
+        other = [f"{LABELS[key]} {per_bench[key]['metric']}" for key, _ in BENCHMARKS
+                 if per_bench[key].get("metric", DEFAULT_METRICS.get(key, DEFAULT_METRIC))
+                 != DEFAULT_METRICS.get(key, DEFAULT_METRIC)]
+        note = f" ({', '.join(other)}: not the paper's metric)" if other else ""
+        lines.append(f"| {name} | {paper_figure(average)}{note} |")
+    return "\n".join(lines) + "\n"
