@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -29,8 +30,9 @@ with open(os.environ["STANDIN_LOG"], "a") as f:
 
 
 def _run_folder(root: Path, steps=(20, 40), latest: int | None = 40) -> Path:
-    """outputs/<pair>/checkpoints with complete-looking global_step_N folders of two agents."""
-    ckpt = root / "outputs" / "pair" / "checkpoints"
+    """outputs/<pair>_hacpo/checkpoints (where a preset's HACPO run writes) with complete-looking
+    global_step_N folders of two agents."""
+    ckpt = root / "outputs" / "pair_hacpo" / "checkpoints"
     for step in steps:
         folder = ckpt / f"global_step_{step}"
         for agent in AGENTS:
@@ -53,7 +55,7 @@ def script(tmp_path):
         write_bench(bench, key)
     log = tmp_path / "calls.jsonl"
     env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "HACPO_", "RUN", "PAIR", "STEP", "LABEL", "BASE_MODELS", "BENCH_DIR",
+           if not k.startswith(("SLURM_", "HACPO_", "RUN", "PAIR", "METHOD", "STEP", "LABEL", "BASE_MODELS", "BENCH_DIR",
                                 "EVAL_OUT", "EXPORT_OUT", "TP", "DTYPE", "VIRTUAL_ENV"))}
     env.update(PATH=f"{bin_dir}:{env['PATH']}", STANDIN_LOG=str(log), SLURM_SUBMIT_DIR=str(REPO),
                HACPO_DATA_DIR=str(bench), CUDA_VISIBLE_DEVICES="0,1", ROCR_VISIBLE_DEVICES="0,1")
@@ -97,14 +99,14 @@ def test_pair_run_evaluates_and_exports_the_newest_checkpoint(script, tmp_path, 
     assert proc.returncode == 0, proc.stderr
     [evaluate, export] = calls
     step = ckpt / "global_step_40"
-    parent = tmp_path / "outputs" / "pair"
+    parent = tmp_path / "outputs" / "pair_hacpo"
     assert evaluate[:2] == ["-m", "recipe_hacpo.evaluate"] and export[:2] == ["-m", "recipe_hacpo.export"]
 
     seen = _evaluate_accepts(evaluate[2:], monkeypatch)
     # the base models (evaluate puts --checkpoint rows first), then one row per agent of step 40,
     # named after the run's folder
     assert seen["checkpoints"] == [("base-4b", "/models/Qwen3-4B-Base"), ("base-8b", "/models/Qwen3-8B-Base")] + [
-        (f"pair/{a}", str(step / a)) for a in AGENTS]
+        (f"pair_hacpo/{a}", str(step / a)) for a in AGENTS]
     assert seen["benchmarks"] == list(SOURCES) and seen["out"] == str(parent / "eval" / "global_step_40")
     assert seen["opts"].tensor_parallel_size == 1 and seen["limit"] == 8  # the options after the script name
 
@@ -165,3 +167,13 @@ def test_the_other_vendors_gpu_variables_are_cleared(script, tmp_path, monkeypat
     proc, calls = script(RUN=str(_run_folder(tmp_path)), GPU_VENDOR="nvidia")
     assert proc.returncode == 0, proc.stderr
     assert calls == [["0,1", None], ["0,1", None]]
+
+
+def test_method_picks_a_baselines_run_of_the_pair(script, tmp_path):
+    """PAIR with METHOD=gspo: outputs/<pair>_gspo, the folder `+baseline=gspo` writes by default."""
+    hacpo = _run_folder(tmp_path)
+    gspo = hacpo.parent.parent / "pair_gspo" / "checkpoints"
+    shutil.copytree(hacpo, gspo)
+    proc, calls = script(PAIR="pair", METHOD="gspo", HACPO_OUTPUT_DIR=str(tmp_path / "outputs"))
+    assert proc.returncode == 0, proc.stderr
+    assert calls[1][2] == str(gspo / "global_step_40")
