@@ -4,7 +4,7 @@
 
 Read from where each key is declared, so the page cannot drift from the code (a test compares):
     method, agents, agents_*   configs/hacpo_base.yaml (the comment above each key)
-    the run's identity     recipe_hacpo/run_identity.py (IDENTITY_KEYS, RESUMABLE_KEYS)
+    the run's identity     recipe_hacpo/training/run_identity.py (IDENTITY_KEYS, RESUMABLE_KEYS)
     algorithm.hacpo.*      recipe_hacpo/hacpo_settings.py (`markdown_table`)
     trainer.*              configs/hacpo_base.yaml, the keys verl's own trainer config does not have
     trainer.rollout_check  recipe_hacpo/rollout_check.py (`ROLLOUT_CHECK_DEFAULTS` and its comments)
@@ -82,7 +82,7 @@ def reference() -> str:
     verl_keys = verl_trainer_keys()
     from recipe_hacpo.config import AGENT_KEYS
 
-    from recipe_hacpo.run_identity import IDENTITY_FILE, IDENTITY_KEYS, RESUMABLE_KEYS
+    from recipe_hacpo.training.run_identity import IDENTITY_FILE, IDENTITY_KEYS, RESUMABLE_KEYS
 
     method = [r for r in base if r[0] == "method"]
     agents = [r for r in base if r[0] == "agents" or r[0].startswith("agents_")]
@@ -104,7 +104,7 @@ def reference() -> str:
         "",
         _table(method),
         "",
-        f"Every checkpoint records what trained it (`global_step_N/{IDENTITY_FILE}`, recipe_hacpo/run_identity.py).",
+        f"Every checkpoint records what trained it (`global_step_N/{IDENTITY_FILE}`, recipe_hacpo/training/run_identity.py).",
         "A launch that would resume from a checkpoint whose identity differs from its own is refused before Ray",
         "starts, in one line naming every key that differs with both values; `trainer.resume_mode=disable`",
         "starts it fresh in that folder, another `trainer.default_local_dir` gives it its own. A checkpoint",

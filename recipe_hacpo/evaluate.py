@@ -77,7 +77,7 @@ from recipe_hacpo.evaluation.benchmarks import (
     parse_pairs,
 )
 from recipe_hacpo.evaluation.checkpoints import path_name, agent_checkpoints, resolve_checkpoint, trainer_step_dir
-from recipe_hacpo.run_identity import describe_checkpoint
+from recipe_hacpo.training.run_identity import describe_checkpoint
 from recipe_hacpo.evaluation.generators import GenOptions, gpu_groups, make_generator, pick_backend
 from recipe_hacpo.evaluation.tables import format_paper_average, write_tables
 

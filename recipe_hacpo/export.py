@@ -21,7 +21,7 @@ from recipe_hacpo import quiet  # noqa: F401  (no progress bars unless HACPO_VER
 from recipe_hacpo.evaluation import EvalError
 from recipe_hacpo.evaluation.checkpoints import checkpoint_agents, merge_fsdp_checkpoint, path_name
 from recipe_hacpo.cluster.reliability import CheckpointError, checkpoint_problem, find_resume_checkpoint
-from recipe_hacpo.run_identity import describe_checkpoint
+from recipe_hacpo.training.run_identity import describe_checkpoint
 
 DTYPES = ("bfloat16", "float16", "float32")
 

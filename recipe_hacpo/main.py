@@ -59,8 +59,8 @@ def _checkpoint_to_resume(cfg: DictConfig, agent_names) -> str | None:
 
 def check_resume_identity(cfg: DictConfig, specs) -> None:
     """A resume from another run's checkpoint (another method, agents, models, rollout_n, reward,
-    data or trainer: recipe_hacpo/run_identity.py) is refused here, before anything is written."""
-    from recipe_hacpo import run_identity
+    data or trainer: recipe_hacpo/training/run_identity.py) is refused here, before anything is written."""
+    from recipe_hacpo.training import run_identity
 
     # complete by its own agents (its state is written last): a run that adds an agent is named
     # here as another run, not as a folder of incomplete checkpoints

@@ -1,4 +1,4 @@
-"""A run is one run: every checkpoint records what trained it (recipe_hacpo/run_identity.py), a
+"""A run is one run: every checkpoint records what trained it (recipe_hacpo/training/run_identity.py), a
 resume by another run is refused before Ray in one line, and every method has its own default
 folder.
 
@@ -20,7 +20,7 @@ import sys
 import pytest
 from helpers.compose import compose_config
 
-from recipe_hacpo import run_identity as ri
+from recipe_hacpo.training import run_identity as ri
 from recipe_hacpo.config import ConfigError, agent_specs
 from recipe_hacpo.training.scoring import resolve_reward_path
 

@@ -7,6 +7,7 @@
     run_metrics.py    metrics.jsonl, TensorBoard, wandb; the validation samples
     rollout_log.py    `trainer.rollout_data_dir`: each learner's rows and what the loss did with them
     progress.py       plain progress lines off a terminal
+    run_identity.py   what trained a checkpoint (run_identity.json), checked before a resume
 
 It asks the method (methods/) for everything in which methods differ and the exchange
 (exchange/) to convert rows; cluster/ places and protects it.

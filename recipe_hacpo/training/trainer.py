@@ -63,7 +63,7 @@ from recipe_hacpo.cluster.reliability import (
 )
 from recipe_hacpo.training.progress import ProgressLines
 from recipe_hacpo.rollout_check import PATH as ROLLOUT_CHECK_PATH
-from recipe_hacpo.run_identity import run_identity, write_identity
+from recipe_hacpo.training.run_identity import run_identity, write_identity
 from recipe_hacpo.rollout_check import agent_precision, mismatch_message, mismatch_stats, violations
 from recipe_hacpo.cluster.preemption import (
     PreemptionSettings,
@@ -551,7 +551,7 @@ class HacpoTrainer:
 
     @functools.cached_property
     def identity(self) -> dict:
-        """This run's identity (recipe_hacpo/run_identity.py), recorded in every checkpoint."""
+        """This run's identity (recipe_hacpo/training/run_identity.py), recorded in every checkpoint."""
         return run_identity(self.config, self.specs)
 
     def trainer_state(self) -> dict:

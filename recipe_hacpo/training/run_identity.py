@@ -26,6 +26,7 @@ from typing import Any, Sequence
 from omegaconf import DictConfig, OmegaConf
 
 from recipe_hacpo.hacpo_settings import ConfigError
+from recipe_hacpo.methods import method_for
 
 IDENTITY_FILE = "run_identity.json"
 IDENTITY_VERSION = 1
@@ -42,7 +43,8 @@ IDENTITY_KEYS = {
                                   "hub id's snapshot in the local cache; null where neither is readable)",
     "agents.<name>.rollout_n": "G_j, responses per prompt (after `agents_rollout_n`)",
     "agents.<name>.lora_rank": "0: full fine-tuning; > 0: a LoRA adapter of that rank (actor_rollout_ref.model.lora_rank)",
-    "agents.<name>.policy_loss": "`mode=isolated`: the agent's own loss (actor.policy_loss.loss_mode); null otherwise",
+    "agents.<name>.policy_loss": "a method that trains with verl's own loss (`mode=isolated`): the agent's "
+                                 "actor.policy_loss.loss_mode; null otherwise",
     "reward.custom_reward_function.path": "the reward function's file (`package` for the package's math reward)",
     "reward.custom_reward_function.name": "the reward function's name in that file",
     "data.train_files": "the training files, by file name and sha256 of their content",
@@ -130,6 +132,7 @@ def run_identity(cfg: DictConfig, specs) -> dict[str, Any]:
     settings = OmegaConf.select(cfg, "algorithm.hacpo", default=None)
     settings = OmegaConf.to_container(settings, resolve=True) if settings is not None else {}
     mode = str(settings.get("mode", "hacpo"))
+    verl_loss = method_for(mode).objective is None  # the method trains with verl's own policy loss
     identity: dict[str, Any] = {"method": str(cfg.get("method") or mode), "algorithm.hacpo.mode": mode}
     identity.update({f"algorithm.hacpo.{k}": v for k, v in sorted(settings.items()) if k != "mode"})
     identity["agents"] = [s.name for s in specs]
@@ -140,7 +143,7 @@ def run_identity(cfg: DictConfig, specs) -> dict[str, Any]:
         identity[f"{key}.rollout_n"] = int(s.rollout_n)
         identity[f"{key}.lora_rank"] = int(_agent_value(cfg, s, "model.lora_rank", 0) or 0)
         identity[f"{key}.policy_loss"] = (str(_agent_value(cfg, s, "actor.policy_loss.loss_mode", "vanilla"))
-                                          if mode == "isolated" else None)
+                                          if verl_loss else None)
     identity["reward.custom_reward_function.path"] = _reward_path(cfg)
     identity["reward.custom_reward_function.name"] = str(
         OmegaConf.select(cfg, "reward.custom_reward_function.name", default=None) or "compute_score")
