@@ -148,7 +148,8 @@ def install_problems(*, torch_cuda: str | None, driver: str | None, vllm_install
                 break
     from recipe_hacpo.wheelhouse import FLASH_ATTN_INSTALL
 
-    for module, fix in (("flash_attn", f"{FLASH_ATTN_INSTALL} (or attn_implementation=sdpa)"),
+    for module, fix in (("flash_attn", f"{FLASH_ATTN_INSTALL} (or run with ++actor_rollout_ref.model.override_config.attn_implementation=sdpa "
+                                          "actor_rollout_ref.model.use_remove_padding=false)"),
                         ("verl.workers.rollout.vllm_rollout.vllm_async_server", "pip install -e '.[gpu]'")):
         if module.startswith("verl.") and not vllm_installed:
             continue
