@@ -121,9 +121,13 @@ def documented_commands() -> list[tuple[str, str]]:
 
 
 def prose_overrides() -> list[tuple[str, list[str]]]:
-    """(doc, overrides) per paragraph: every inline span made of override tokens only."""
+    """(doc, overrides) per paragraph: every inline span made of override tokens only; and each
+    code line made of override tokens only (overrides to add to a trainer command)."""
     found = []
     for doc in DOCS:
+        for line in _code_lines(doc.read_text()):
+            if line.split() and all(OVERRIDE.match(t) for t in line.split()):
+                found.append((doc.name, line.split()))
         for paragraph in re.split(r"\n\s*\n", _prose(doc.read_text())):
             spans = [s for s in re.findall(r"`([^`\n]+)`", paragraph)
                      if s.split() and all(OVERRIDE.match(t) for t in s.split())]
