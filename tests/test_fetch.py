@@ -1,4 +1,4 @@
-"""`python -m recipe_hacpo.data.fetch`: a preset's models and the paper's data in one folder for a
+"""`python -m recipe_hacpo.fetch`: a preset's models and the paper's data in one folder for a
 node without network. The node's half runs for real with every connection refused (a tiny model
 folder and small raw data laid out as the hub publishes them); the download half against a
 stand-in for huggingface_hub.snapshot_download that serves the same files from memory."""
@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from recipe_hacpo.data import fetch
+from recipe_hacpo import fetch
 
 PRESET = "pair_qwen3-1p7b-base_qwen3-4b-base"
 MODELS = {"HACPO_MODEL_A": "Qwen/Qwen3-1.7B-Base", "HACPO_MODEL_B": "Qwen/Qwen3-4B-Base"}

@@ -1,4 +1,4 @@
-"""`python -m recipe_hacpo.data.fetch --preset <pair preset> --out DIR`: a preset's two models and
+"""`python -m recipe_hacpo.fetch --preset <pair preset> --out DIR`: a preset's two models and
 the paper's data in one folder, for a GPU node without network.
 
 Run it where the hub is reachable; carry DIR to the node. It writes
@@ -20,7 +20,7 @@ stops with one line: accept the licence on the model's hub page, then `huggingfa
 or HF_TOKEN.
 
 The download half has not run on this project's machines (no hub there); it is tested with
-huggingface_hub's snapshot_download replaced by a stand-in (tests/test_data_fetch.py), the
+huggingface_hub's snapshot_download replaced by a stand-in (tests/test_fetch.py), the
 node's half for real on a tiny model and small data.
 """
 
@@ -191,7 +191,7 @@ def _check_preset(preset: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m recipe_hacpo.data.fetch",
+        prog="python -m recipe_hacpo.fetch",
         description="A pair preset's models and the paper's data into one folder, for a node without network.")
     parser.add_argument("--preset", required=True, help="a pair preset, e.g. pair_qwen3-1p7b-base_qwen3-4b-base")
     parser.add_argument("--out", required=True, help="the folder to fill (models/, raw/, data/)")
