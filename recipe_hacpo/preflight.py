@@ -37,6 +37,10 @@ Phases:
              verl's vLLM servers on one GPU (eager, 0.15 of the GPU each). CPU: skipped (the vLLM
              tier, `make test-vllm`, runs verl's vLLM servers on CPU)
 
+On a machine with an NVIDIA GPU (a device file, /proc/driver/nvidia or nvidia-smi) a Python whose
+torch has no CUDA is refused in one line before any phase: there every GPU phase would pass on its
+CPU stand-in (`make preflight` picks .venv-gpu where `make venv-gpu` built it).
+
 `--skip PHASE ...` leaves device phases out. A package a phase needs that is not installed (verl,
 Ray, vLLM, pyzmq: a GPU node has only what the user installed) is "skipped: X not installed";
 anything a phase raises is one "failed" line, never a traceback. The GPU peak of a phase that runs
