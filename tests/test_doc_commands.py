@@ -59,11 +59,9 @@ NOT_COMPOSED = {
     "trainer.log_val_generations=n": "a placeholder count",
     "+algorithm.hacpo.method_options.scale=2.0": "an option of the example method class (ToyOptions)",
     "actor.shuffle=true": "named as what the checks reject in the sharing modes",
-    "trainer.device=cpu": "the CPU demo's setting, which needs the CPU preset's agents (hacpo_cpu_demo sets it)",
-    "rollout.agent.default_agent_loop=hf_batched_single_turn": "set by the hf backend's rollout config, not a "
-                                                               "command-line override",
+    "trainer.device=cpu": "beside rollout.name=vllm it needs .venv-vllm's vLLM; tests/test_vllm_tier.py runs that",
 }
-# a shorthand key in prose is read under these prefixes, first that composes wins
+# a shorthand key in prose is read under these prefixes: the first under which the preset has its parent
 SHORTHAND_PREFIXES = ("", "actor_rollout_ref.", "actor_rollout_ref.actor.")
 OVERRIDE = re.compile(r"^(~|\+{0,2})[a-z_]+(\.[A-Za-z0-9_]+)+=\S+$")
 PYTHON = re.compile(r"(^|/)python[0-9.]*$")
