@@ -255,10 +255,10 @@ def _validate_vllm_on_cpu(cfg: DictConfig, specs: list[AgentSpec]) -> None:
 
 
 # verl's actor, reference and rollout models read the attention kernel from here
-# (verl/workers/config/model.py: `override_config.get("attn_implementation", "flash_attention_2")`)
+# (verl/workers/config/model.py: `override_config.get("attn_implementation", "flash_attention_2")`).
+# override_config is an empty struct in the presets: a plain `key=value` override of a key it lacks
+# stops Hydra ("Could not override"), so commands add it with `++` (set or add, whichever applies)
 ATTN_KEY = "actor_rollout_ref.model.override_config.attn_implementation"
-# verl's override_config is an empty struct in the presets: a plain `key=value` override of a key it
-# lacks stops Hydra ("not in struct"), so commands add it with `++` (set or add, whichever applies)
 VERL_DEFAULT_ATTN = "flash_attention_2"
 
 
