@@ -135,8 +135,9 @@ test-fast: test-quick test-ray
 # what to run first on a GPU node (recipe_hacpo/preflight.py); on a CPU machine the device phases
 # run their CPU stand-ins (shared memory for CUDA IPC, gloo for NCCL, the two agents' training and
 # resume on CPU: a few minutes) and the GPU-only parts say "skipped: no GPU". PREFLIGHT_PY: the
-# Python of the GPU install (default: this venv's).
-PREFLIGHT_PY ?= $(VPY)
+# Python it runs [the GPU environment's, $(GPU_VENV)/bin/python, where make venv-gpu has built
+# it, else this venv's]; on a machine with an NVIDIA GPU it refuses a Python without CUDA torch.
+PREFLIGHT_PY ?= $(if $(wildcard $(GPU_VENV)/bin/python),$(GPU_VENV)/bin/python,$(VPY))
 preflight:
 	$(PREFLIGHT_PY) -m recipe_hacpo.preflight
 

@@ -255,7 +255,9 @@ def _validate_vllm_on_cpu(cfg: DictConfig, specs: list[AgentSpec]) -> None:
 
 
 # verl's actor, reference and rollout models read the attention kernel from here
-# (verl/workers/config/model.py: `override_config.get("attn_implementation", "flash_attention_2")`)
+# (verl/workers/config/model.py: `override_config.get("attn_implementation", "flash_attention_2")`).
+# override_config is an empty struct in the presets: a plain `key=value` override of a key it lacks
+# stops Hydra ("Could not override"), so commands add it with `++` (set or add, whichever applies)
 ATTN_KEY = "actor_rollout_ref.model.override_config.attn_implementation"
 VERL_DEFAULT_ATTN = "flash_attention_2"
 
@@ -302,7 +304,7 @@ def _validate_attention(cfg: DictConfig, specs: list[AgentSpec]) -> None:
                     raise ConfigError(
                         f"{where}: {ATTN_KEY}={attn}{' (verl default)' if attn == VERL_DEFAULT_ATTN else ''} but flash_attn "
                         f"does not import here ({problem}); install a flash-attn 2.8.3 wheel built for this torch "
-                        f"({FLASH_ATTN_INSTALL}) or run without it: {ATTN_KEY}=sdpa actor_rollout_ref.model.use_remove_padding=false"
+                        f"({FLASH_ATTN_INSTALL}) or run without it: ++{ATTN_KEY}=sdpa actor_rollout_ref.model.use_remove_padding=false"
                     )
         elif bool(s.section(cfg, "model").get("use_remove_padding", True)):
             raise ConfigError(

@@ -280,7 +280,8 @@ def time_plan(cfg: DictConfig, specs, plans, asynchronous: bool = False, top: in
         current_s = by_split()
         lines.append(f"asynchronous agents (each its own loop, no barrier; recipe_hacpo/asynchronous/): "
                      f"{_secs(current_s)} a step until both made 20 steps ({current_s / step:.2f}x lockstep), "
-                     "a prediction of the schedule only: the trainer has no asynchronous mode yet")
+                     "predicted by the schedule's simulation, not measured; trainer.async.enable=true runs it "
+                     "(docs/ASYNCHRONOUS.md)")
     lines += _split_lines(cfg, specs, shapes, rows, by_split, top)
     return "\n".join(lines)
 

@@ -37,6 +37,10 @@ Phases:
              verl's vLLM servers on one GPU (eager, 0.15 of the GPU each). CPU: skipped (the vLLM
              tier, `make test-vllm`, runs verl's vLLM servers on CPU)
 
+On a machine with an NVIDIA GPU (a device file, /proc/driver/nvidia or nvidia-smi) a Python whose
+torch has no CUDA is refused in one line before any phase: there every GPU phase would pass on its
+CPU stand-in (`make preflight` picks .venv-gpu where `make venv-gpu` built it).
+
 `--skip PHASE ...` leaves device phases out. A package a phase needs that is not installed (verl,
 Ray, vLLM, pyzmq: a GPU node has only what the user installed) is "skipped: X not installed";
 anything a phase raises is one "failed" line, never a traceback. The GPU peak of a phase that runs
@@ -112,6 +116,38 @@ def driver_version() -> str | None:
         return None
 
 
+# what shows an NVIDIA GPU on a machine whatever Python runs: a CPU build of torch sees none
+NVIDIA_DEVICE_FILES = ("/dev/nvidia0", "/proc/driver/nvidia")
+
+
+def nvidia_gpu_seen() -> str | None:
+    """What shows this machine has an NVIDIA GPU (a device file, the driver's /proc folder or
+    nvidia-smi on PATH), None when nothing does. Not torch: the point is to catch a torch that
+    cannot see the GPU."""
+    import shutil
+
+    for path in NVIDIA_DEVICE_FILES:
+        if os.path.exists(path):
+            return path
+    return shutil.which("nvidia-smi")
+
+
+def cpu_python_refusal(gpu_seen=None) -> str | None:
+    """One line refusing to run on a machine with an NVIDIA GPU from a Python whose torch has no
+    CUDA (None otherwise): there every GPU check would fall back to its CPU stand-in and pass,
+    which says nothing of the node. This is `make preflight` run from the CPU environment."""
+    where = (gpu_seen or nvidia_gpu_seen)()
+    if where is None:
+        return None
+    import torch
+
+    if torch.version.cuda:
+        return None
+    return (f"error: {sys.executable} has torch {torch.__version__} (no CUDA) on a machine with an NVIDIA GPU ({where}); "
+            "run the preflight from the GPU environment: make venv-gpu WHEELHOUSE=<wheelhouse> PYTHON=python3.12 "
+            "(docs/INSTALL.md), then make preflight (it picks .venv-gpu) or PREFLIGHT_PY=<that Python> make preflight")
+
+
 def phase_versions() -> Verdict:
     import torch
 
@@ -148,7 +184,8 @@ def install_problems(*, torch_cuda: str | None, driver: str | None, vllm_install
                 break
     from recipe_hacpo.wheelhouse import FLASH_ATTN_INSTALL
 
-    for module, fix in (("flash_attn", f"{FLASH_ATTN_INSTALL} (or attn_implementation=sdpa)"),
+    for module, fix in (("flash_attn", f"{FLASH_ATTN_INSTALL} (or run with ++actor_rollout_ref.model.override_config.attn_implementation=sdpa "
+                                          "actor_rollout_ref.model.use_remove_padding=false)"),
                         ("verl.workers.rollout.vllm_rollout.vllm_async_server", "pip install -e '.[gpu]'")):
         if module.startswith("verl.") and not vllm_installed:
             continue
@@ -846,6 +883,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", nargs="*", default=[], choices=[p.__name__.removeprefix("phase_") for p in GPU_PHASES],
                     help="leave these device phases out")
     args = ap.parse_args(argv)
+    refusal = cpu_python_refusal()
+    if refusal:
+        print(refusal, file=sys.stderr)
+        return 2
     phases = [phase_versions, phase_install]
     if not args.check_install:
         phases += [phase_loss, phase_config]

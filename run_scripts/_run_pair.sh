@@ -10,6 +10,8 @@
 #   BASELINE                      the method [the preset's: hacpo]: hacpo | naive | gspo | gspo2x |
 #                                 gspo4x | grpo | grpo2x | grpo4x | graft | sgt
 #                                 (configs/baseline/; the same as passing +baseline=NAME)
+#   HACPO_DRY_RUN                 set: print the command, one shell-quoted argument a line, and
+#                                 run nothing (what tests/test_doc_commands.py composes)
 # Extra arguments of the pair script are Hydra overrides.
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.." || exit 2
@@ -40,7 +42,7 @@ if [[ -n ${BASELINE:-} ]]; then
     method=("+baseline=$BASELINE")
 fi
 
-exec python -m recipe_hacpo.main --config-name "$PRESET" \
+exec ${HACPO_DRY_RUN:+printf %q\\n} python -m recipe_hacpo.main --config-name "$PRESET" \
     hydra.run.dir="$HACPO_OUTPUT_DIR/${PAIR}_${BASELINE:-hacpo}/hydra/$(date +%Y%m%d-%H%M%S)" \
     ${placement[@]+"${placement[@]}"} \
     ${method[@]+"${method[@]}"} \

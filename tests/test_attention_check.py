@@ -43,10 +43,23 @@ def test_gpu_preset_without_flash_attn_is_refused_in_one_line(gpu_driver, monkey
     assert "\n" not in msg
     assert msg.startswith("agents.qwen3_1p7b_base: ")
     assert f"{ATTN_KEY}=flash_attention_2 (verl default)" in msg
-    assert f"run without it: {ATTN_KEY}=sdpa actor_rollout_ref.model.use_remove_padding=false" in msg
+    assert f"run without it: ++{ATTN_KEY}=sdpa actor_rollout_ref.model.use_remove_padding=false" in msg
     # the exact command that installs a prebuilt wheel, and where to get one
     assert "pip install --no-deps <flash_attn-2.8.3-" in msg and "docs/INSTALL.md" in msg
     assert "ImportError" in msg or "ModuleNotFoundError" in msg
+
+
+def test_the_refusals_own_fallback_composes_and_passes(gpu_driver, monkeypatch):
+    """The overrides the refusal prints, pasted as written, compose and pass the checks; the form
+    without `++` stops Hydra (the presets' override_config has no such key)."""
+    _flash_attn(monkeypatch, importable=False)
+    with pytest.raises(ConfigError) as err:
+        validate(_compose(PRESET, GPUS_8), check_paths=False)
+    fallback = str(err.value).split("run without it: ")[1].split()
+    specs, _ = validate(_compose(PRESET, GPUS_8 + fallback), check_paths=False)
+    assert all(config_mod.attention_implementation(_compose(PRESET, GPUS_8 + fallback), s) == "sdpa" for s in specs)
+    with pytest.raises(Exception, match="Could not override .actor_rollout_ref.model.override_config.attn_implementation"):
+        _compose(PRESET, GPUS_8 + [a.lstrip("+") for a in fallback])
 
 
 def test_gpu_preset_with_flash_attn_passes(gpu_driver, monkeypatch):

@@ -560,6 +560,23 @@ def test_all_from_reads_hub_folders_and_aime_parts(tmp_path, capsys):
         validate_file(str(out / name))
 
 
+def test_all_from_keeps_gsm8ks_main_config_of_a_hub_download(tmp_path, capsys):
+    """openai/gsm8k as the hub downloads it: `main/` and `socratic/` (the same problems, answers with
+    sub-questions); GSM8K is `main` alone, socratic's shards are named as skipped."""
+    raw = tmp_path / "raw"
+    for config, answer in (("main", "x #### 3"), ("socratic", "How many? ** x #### 3")):
+        _parquet(str(raw / "gsm8k" / config / "test-00000-of-00001.parquet"),
+                 [{"question": f"{config} {i}", "answer": answer} for i in range(2)])
+        _parquet(str(raw / "gsm8k" / config / "train-00000-of-00001.parquet"), [{"question": config, "answer": answer}])
+    out = tmp_path / "out"
+    assert prepare.main(["--all-from", str(raw), "--out", str(out)]) == 0
+    test, train = _read(out / "gsm8k_test.parquet"), _read(out / "gsm8k_train.parquet")
+    assert [r["prompt"][0]["content"].split(" Let's")[0] for r in test] == ["main 0", "main 1"]
+    assert len(train) == 1 and train[0]["prompt"][0]["content"].startswith("main")
+    err = capsys.readouterr().err
+    assert os.path.join("gsm8k", "socratic", "test-00000-of-00001.parquet") + " (not a recognised dataset file)" in err
+
+
 def test_all_from_still_refuses_two_whole_files_for_one_output(tmp_path, capsys):
     raw = tmp_path / "raw"
     _jsonl(str(raw / "math_train.jsonl"), _math(1, "x"))

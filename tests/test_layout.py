@@ -8,7 +8,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 COMMANDS = {"main", "evaluate", "evaluation", "export", "preflight", "warm_start", "tiny_agents", "real_tokenizers", "agent_names",
-            "config_reference", "demo_report", "plugin"}
+            "config_reference", "demo_report", "plugin", "fetch"}
 # top first; a module may import its own layer and those below it
 LAYERS = ["commands", "training", "config", "cluster", "workers", "methods", "exchange", "ground"]
 

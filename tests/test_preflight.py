@@ -178,6 +178,38 @@ def test_missing_packages_are_one_skipped_line(monkeypatch):
     assert r["gspo_equal"] is None and r["loss_abs_diff"] == 0.0
 
 
+def test_a_cpu_torch_on_a_machine_with_an_nvidia_gpu_is_refused_in_one_line(monkeypatch, capsys):
+    """`make preflight` from the CPU environment on a GPU node: every GPU check would pass on its CPU
+    stand-in; refused before any phase, naming this Python and how to get the GPU one."""
+    import torch
+
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(preflight, "nvidia_gpu_seen", lambda: "/dev/nvidia0")
+    monkeypatch.setattr(preflight, "phase_versions", lambda: pytest.fail("a phase ran after the refusal"))
+    assert preflight.main([]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: {sys.executable} has torch ")
+    assert "(/dev/nvidia0)" in err and "make venv-gpu" in err and "PREFLIGHT_PY=" in err
+    # a CUDA torch there, and a CPU torch where no NVIDIA GPU shows, are not refused
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    assert preflight.cpu_python_refusal() is None
+    monkeypatch.setattr(torch.version, "cuda", None)
+    assert preflight.cpu_python_refusal(gpu_seen=lambda: None) is None
+
+
+def test_the_gpu_probe_reads_device_files_and_nvidia_smi(monkeypatch, tmp_path):
+    import shutil
+
+    monkeypatch.setattr(preflight, "NVIDIA_DEVICE_FILES", (str(tmp_path / "nvidia0"), str(tmp_path / "nvidia")))
+    monkeypatch.setattr(shutil, "which", lambda name: None)
+    assert preflight.nvidia_gpu_seen() is None
+    (tmp_path / "nvidia").mkdir()
+    assert preflight.nvidia_gpu_seen() == str(tmp_path / "nvidia")
+    (tmp_path / "nvidia").rmdir()
+    monkeypatch.setattr(shutil, "which", lambda name: "/usr/bin/nvidia-smi" if name == "nvidia-smi" else None)
+    assert preflight.nvidia_gpu_seen() == "/usr/bin/nvidia-smi"
+
+
 def test_run_phase_turns_exceptions_into_one_line():
     def phase_vllm():
         raise ModuleNotFoundError("No module named 'vllm'", name="vllm")

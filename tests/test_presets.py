@@ -108,7 +108,7 @@ def test_preset_composes_and_validates_on_8_gpus(preset):
         gpus = int(preset[-4])
         assert [s.n_gpus_per_node for s in specs] == [0, 0] and cfg.trainer.n_gpus_per_node == gpus
         assert actor.fsdp_config.param_offload and actor.fsdp_config.optimizer_offload
-        # two replicas awake together must leave room: the sum stays within the shared-pool bound
+        # every replica reserves its share at start-up: the sum stays within the shared-pool bound
         assert 2 * rollout.gpu_memory_utilization <= 0.8
     else:
         assert [s.n_gpus_per_node for s in specs] == [4, 4] and cfg.trainer.n_gpus_per_node == 8
@@ -139,7 +139,7 @@ def test_paths_come_from_the_environment(monkeypatch):
     "overrides, gpus",
     [
         # run_scripts/pair_*.sh PLACEMENT=shared: both agents on one pool of 8, actors offloaded
-        # and vLLM at 0.35 (two replicas are awake together after a weight sync)
+        # and vLLM at 0.35 (both replicas reserve their share at start-up, before their first sleep)
         (SHARED, 8),
         # the SLURM script on 2 nodes x 8 GPUs: one node per agent
         (["trainer.nnodes=2", "agents.qwen3_4b_base.n_gpus_per_node=8", "agents.qwen3_8b_base.n_gpus_per_node=8"], 16),

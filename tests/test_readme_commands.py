@@ -239,6 +239,16 @@ def test_the_targets_run_what_the_readme_says(clone):
     assert "run_scripts/cpu_demo.sh" in demo and "pip install" not in demo
 
 
+def test_make_preflight_runs_the_gpu_environment_where_it_exists(clone):
+    """On a GPU node `make venv-gpu` has built .venv-gpu: `make preflight` runs its Python, not the
+    CPU environment's; PREFLIGHT_PY still wins."""
+    assert _make(clone, "-n", "preflight").stdout.strip() == ".venv/bin/python -m recipe_hacpo.preflight"
+    (clone / ".venv-gpu" / "bin").mkdir(parents=True)
+    (clone / ".venv-gpu" / "bin" / "python").touch()
+    assert _make(clone, "-n", "preflight").stdout.strip() == ".venv-gpu/bin/python -m recipe_hacpo.preflight"
+    assert _make(clone, "-n", "preflight", "PREFLIGHT_PY=/opt/py").stdout.strip() == "/opt/py -m recipe_hacpo.preflight"
+
+
 def test_old_python_is_refused_with_one_line(clone, tmp_path):
     old = tmp_path / "oldpython"
     old.write_text("#!/usr/bin/env bash\nexec %s -c 'import sys; sys.exit(\"recipe_hacpo needs Python 3.10+, "

@@ -417,6 +417,26 @@ def test_slurm_sets_hf_hub_offline_for_local_models(standins, tmp_path):
     assert _trainer(calls)[1]["HF_HUB_OFFLINE"] == ""
 
 
+def test_slurm_activates_the_gpu_environment_where_it_exists(standins, tmp_path):
+    """A repository with .venv-gpu (make venv-gpu) runs its Ray and trainer from it unless HACPO_VENV
+    names another; the stand-in `activate` marks what it reached through HACPO_DATA_DIR."""
+    repo = tmp_path / "repo"
+    for folder in ("run_scripts", "configs"):
+        shutil.copytree(REPO / folder, repo / folder)
+    for venv in (".venv-gpu", "other"):
+        (repo / venv / "bin").mkdir(parents=True)
+        (repo / venv / "bin" / "activate").write_text(f"export HACPO_DATA_DIR=from-{venv}\n")
+    proc, calls = standins(SLURM, **_slurm_env(["gpu01"], SLURM_SUBMIT_DIR=str(repo)), PAIR=PAIR)
+    assert proc.returncode == 0, proc.stderr
+    assert _trainer(calls)[1]["HACPO_DATA_DIR"] == "from-.venv-gpu"
+    proc, calls = standins(SLURM, **_slurm_env(["gpu01"], SLURM_SUBMIT_DIR=str(repo)), PAIR=PAIR,
+                           HACPO_VENV=str(repo / "other"))
+    assert _trainer(calls)[1]["HACPO_DATA_DIR"] == "from-other"
+    shutil.rmtree(repo / ".venv-gpu")
+    proc, calls = standins(SLURM, **_slurm_env(["gpu01"], SLURM_SUBMIT_DIR=str(repo)), PAIR=PAIR)
+    assert _trainer(calls)[1]["HACPO_DATA_DIR"] == "data/paper"
+
+
 def test_ray_steps_are_stopped_on_exit_even_when_the_trainer_fails(standins, tmp_path):
     # a `python` that logs like the other stand-ins, then fails for the trainer
     failing = tmp_path / "fail" / "python"

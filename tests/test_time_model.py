@@ -274,6 +274,9 @@ def test_plan_only_prints_the_time_table_after_the_memory_plan(capsys):
     assert "(current) valid" in out
     assert "best valid split: 4+4 (the current one)" in out
     assert "best split overall: 3+5, 0.8" in out and "does not split over its 3 GPUs" in out
+    # the asynchronous line names the trainer's asynchronous mode, which exists
+    asynchronous = next(x for x in out.splitlines() if x.startswith("asynchronous agents"))
+    assert "trainer.async.enable=true runs it" in asynchronous and "no asynchronous mode" not in out
 
 
 def test_plan_only_on_a_shared_pool_sums_the_agents_and_searches_no_split(capsys):

@@ -437,7 +437,8 @@ def _check_pool(members: list[AgentPlan], gpu_memory: int) -> None:
             if not (m.param_offload and m.optimizer_offload):
                 m.problems.append(
                     "a shared pool needs actor_rollout_ref.actor.fsdp_config.param_offload=true and "
-                    "optimizer_offload=true (every agent's replica is awake with the others' actors after a sync)"
+                    "optimizer_offload=true (every agent's replica reserves its vLLM share at start-up beside the others' "
+                    "actors, and each one wakes beside them for its rollout)"
                 )
         if total_util > SHARED_UTILIZATION_MAX:
             for m in members:

@@ -35,7 +35,8 @@ The Hub's own file layouts are read as they are downloaded (`huggingface-cli dow
   read from its shard name (`test-00000-of-00001.parquet`), a `_train` / `_test` suffix, or a
   `train` / `test` folder on its path, else the source's default; benchmarks (math500,
   aime25, amc23, minerva, olympiadbench) are always written as test, whatever the Hub calls
-  their one split; `validation` shards are skipped. Top-level files named
+  their one split; `validation` shards are skipped, and so is a config that is not the
+  benchmark (`gsm8k/socratic/`: GSM8K is `main`). Top-level files named
   `aime2025-I` / `aime2025-II` are the two parts of AIME 2025. Parts of one source and split
   are concatenated into one output; two whole files for one output are still an error.
 """
@@ -114,6 +115,9 @@ PART_STEMS = {
     "aime2025_i": "aime25", "aime2025_ii": "aime25", "aime25_i": "aime25", "aime25_ii": "aime25",
 }
 SPLITS = ("train", "test")
+# Hub configs of a source that are not the benchmark, skipped in its folder: openai/gsm8k's
+# `socratic` asks the `main` problems again with sub-questions in the answers; GSM8K is `main`
+OTHER_CONFIGS = {"gsm8k": ("socratic",)}
 # benchmarks with one published split; some Hub repos call it "train" (Hothan/OlympiadBench)
 EVAL_ONLY = ("math500", "aime25", "amc23", "minerva", "olympiadbench")
 _SHARD = re.compile(r"^(train|test|validation)-\d+-of-\d+$")
@@ -366,6 +370,12 @@ def split_of_part(path: str) -> str | None:
     return None
 
 
+def _other_config(source: str, rel: str) -> bool:
+    """Whether a file of a source's folder lies under one of its other Hub configs (OTHER_CONFIGS)."""
+    folders = os.path.normpath(os.path.dirname(rel)).split(os.sep)
+    return any(_normalize(f) in OTHER_CONFIGS.get(source, ()) for f in folders)
+
+
 def convert_dir(
     in_dir: str, out_dir: str, split: str | None, limit: int | None, instruction: str, skip_unanswerable: bool
 ) -> list[str]:
@@ -398,6 +408,9 @@ def convert_dir(
             if not parts:
                 skipped.append(name + "/")
             for part in parts:
+                if _other_config(source, os.path.relpath(part, path)):
+                    skipped.append(os.path.relpath(part, in_dir))
+                    continue
                 part_split = split_of_part(os.path.relpath(part, in_dir))
                 if part_split not in (None, *SPLITS):
                     skipped.append(os.path.relpath(part, in_dir))
