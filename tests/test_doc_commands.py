@@ -66,6 +66,7 @@ SHORTHAND_PREFIXES = ("", "actor_rollout_ref.", "actor_rollout_ref.actor.")
 OVERRIDE = re.compile(r"^(~|\+{0,2})[a-z_]+(\.[A-Za-z0-9_]+)+=\S+$")
 PYTHON = re.compile(r"(^|/)python[0-9.]*$")
 ENV_ASSIGN = re.compile(r"^[A-Z_][A-Z0-9_]*=")
+EVALUATE_SCRIPT = "evaluate_export.slurm"  # evaluates and exports a run: no trainer command to compose
 OURS = ("recipe_hacpo.", "make ", "sbatch ", "run_scripts/")
 
 
@@ -309,6 +310,11 @@ def run_command(line: str, monkeypatch, clone: Path) -> None:
             script = REPO / argv[at]
             unknown = _script_knows(script, env)
             assert not unknown, f"{line}: {script.name} reads none of {unknown}"
+            if script.name == EVALUATE_SCRIPT:  # its arguments are evaluate's, beside the --out it gives
+                why = _parse_arguments("recipe_hacpo.evaluate", [*_without_placeholders(argv[at + 1:]), "--out", "x"],
+                                       monkeypatch)
+                assert why is None, f"{line}: {why}"
+                continue
             name = env.get("PRESET") or f"pair_{env['PAIR']}"
             _compose_and_check(name, _without_placeholders(argv[at + 1:]), env, monkeypatch)
 
