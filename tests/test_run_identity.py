@@ -145,8 +145,9 @@ def test_every_listed_change_resumes_the_same_run(saved, tmp_path):
         pattern = re.escape(key).replace(r"\*", r"[\w.]*")
         assert any(re.match(rf"^{pattern}=", o) for o in ALLOWED), key
     # all at once: had any of them been identity, its key would differ
-    assert ri.identity_differences(ri.read_identity(folder), _identity(base + ALLOWED)) == []
-    assert ri.check_resume_identity(folder, _identity(base + ALLOWED), "auto") is None
+    changed = _identity(base + ALLOWED)
+    assert ri.identity_differences(ri.read_identity(folder), changed) == []
+    assert ri.check_resume_identity(folder, changed, "auto") is None
     # the same training data in another folder is the same data
     moved = tmp_path / "moved"
     moved.mkdir()
