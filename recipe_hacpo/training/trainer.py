@@ -111,7 +111,7 @@ class HacpoTrainer:
         self.config = config
         self.specs = specs
         self.hacpo = hacpo
-        self.effective = hacpo.effective()
+        self.effective = self.method.effective(hacpo)
         self.device_name = str(config.trainer.device)
         ports = master_port_ranges(config.trainer.master_port_range, [s.name for s in specs])
         self.agents: dict[str, AgentRuntime] = {
