@@ -40,7 +40,7 @@ from recipe_hacpo.asynchronous.wall_clock import WallClock
 from recipe_hacpo.atomic_io import atomic_write_text
 from recipe_hacpo.cluster.reliability import check_learner_batch
 from recipe_hacpo.methods import method_for
-from recipe_hacpo.methods.context import StepContext
+from recipe_hacpo.methods.context import StepContext, agent_key, prefixed, unprefixed
 from recipe_hacpo.training.trainer import HacpoTrainer, attach_old_log_probs, device_pads, pad_phase, summary_lines
 from verl import DataProto
 
@@ -159,7 +159,7 @@ class AgentSteps:
         attach_old_log_probs(self.name, rollouts, lp)
         checked: dict[str, float] = {}
         self.trainer.check_rollout_policy({self.name: rollouts}, checked, step=self.version + 1)
-        self.metrics.update({k.split("/", 2)[2]: v for k, v in checked.items()})
+        self.metrics.update(unprefixed(checked, self.name))
         return rollouts, payload_bytes(rollouts)
 
     def update(self, rollouts: DataProto, peers: list[Entry], capabilities: dict[str, float]) -> dict[str, float]:
@@ -337,10 +337,9 @@ class AsyncHacpoTrainer(HacpoTrainer):
 
     def validate_one(self, name: str) -> dict[str, float]:
         """`name`'s held-out metrics, named below agent/<name>/ (as its step's own metrics are)."""
-        prefix = f"agent/{name}/"
         out = self.validate(only=name)
         self._validated[name] = self.shared.buffer.versions[name]
-        return {k[len(prefix):]: v for k, v in out.items()}
+        return unprefixed(out, name)
 
     def announce(self, name: str, step: int, phase: str) -> None:
         """With `trainer.progress_file`: {"agent", "step", "phase", "time", "round"} of the phase an
@@ -371,7 +370,7 @@ class AsyncHacpoTrainer(HacpoTrainer):
             v = min(self._pending)
             if not final and set(self._pending[v]) != set(names):
                 return
-            data = {f"agent/{a}/{k}": x for a, m in self._pending.pop(v).items() for k, x in m.items()}
+            data = prefixed(self._pending.pop(v))
             buf = self.shared.buffer
             data.update({"async/buffer/entries": float(len(buf.entries)), "async/buffer/bytes": float(buf.nbytes),
                          "async/buffer/evicted_stale": float(buf.evicted_stale), "training/global_step": v})
@@ -479,13 +478,13 @@ class AsyncHacpoTrainer(HacpoTrainer):
         t, round_ = self.config.trainer, self.shared.round
         summary = {"async/end_s": timeline.end}
         for name in timeline.agent_busy:
-            summary[f"agent/{name}/async/pool_busy_frac"] = timeline.busy_fraction(name)
-            summary[f"agent/{name}/async/wait_s"] = timeline.pool_wait[name] + timeline.checkpoint_wait[name]
-            summary[f"agent/{name}/async/steps"] = float(self.shared.buffer.versions[name])
+            summary[agent_key(name, "async/pool_busy_frac")] = timeline.busy_fraction(name)
+            summary[agent_key(name, "async/wait_s")] = timeline.pool_wait[name] + timeline.checkpoint_wait[name]
+            summary[agent_key(name, "async/steps")] = float(self.shared.buffer.versions[name])
         if t.test_freq > 0:  # every agent validated at its last step
             for name, version in self.shared.buffer.versions.items():
                 if self._validated.get(name) != version and version > 0:
-                    val = {f"agent/{name}/{k}": v for k, v in self.validate_one(name).items()}
+                    val = prefixed({name: self.validate_one(name)})
                     summary.update(val)
         if t.save_freq > 0 and self._saved_round != round_:
             self.save_async_checkpoint(round_, timeline.end)
