@@ -42,13 +42,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import statistics
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from recipe_hacpo.cluster.planner import BF16_BYTES, GIB, ModelShape, kv_bytes_per_token, plan_agent
 from recipe_hacpo.hacpo_settings import ConfigError
-from recipe_hacpo.methods.context import agent_of
 
 
 @dataclass(frozen=True)
@@ -407,16 +407,9 @@ def rank_splits(current: dict[str, int], step_of: Callable[[dict[str, int]], flo
 
 
 # ---------------------------------------------------------------------------------- recorded runs
+_AGENT_TIMING = re.compile(r"^agent/(?P<agent>[^/]+)/timing_s/(?P<phase>.+)$")
 # inside the driver's `exchange` phase: background conversions and the wait for them
 _NOT_DRIVER_PHASES = ("exchange_wait", "exchange_background", "step")
-
-
-def _agent_timing(key: str) -> tuple[str | None, str]:
-    """(agent, phase) of a metric `agent/<k>/timing_s/<phase>`; (None, "") of any other."""
-    split = agent_of(key)
-    if split is None or not split[1].startswith("timing_s/") or split[1] == "timing_s/":
-        return None, ""
-    return split[0], split[1][len("timing_s/"):]
 
 
 def recorded_phases(metrics: dict) -> tuple[dict[str, dict[str, float]], dict[str, float], float | None]:
@@ -430,9 +423,9 @@ def recorded_phases(metrics: dict) -> tuple[dict[str, dict[str, float]], dict[st
     step_phases = {k[len("timing_s/"):] for k in metrics if k.startswith("timing_s/")}
     agents: dict[str, dict[str, float]] = {}
     for key, value in metrics.items():
-        agent, phase = _agent_timing(key)
-        if agent is not None and phase in step_phases:
-            agents.setdefault(agent, {})[phase] = float(value)
+        m = _AGENT_TIMING.match(key)
+        if m and m["phase"] in step_phases:
+            agents.setdefault(m["agent"], {})[m["phase"]] = float(value)
     agent_phases = {p for t in agents.values() for p in t}
     driver = {p: float(metrics[f"timing_s/{p}"]) for p in sorted(step_phases)
               if p not in agent_phases and p not in _NOT_DRIVER_PHASES}
