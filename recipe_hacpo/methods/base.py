@@ -39,7 +39,8 @@ methods differ, as the methods of one `Method` object:
 
 `ctx` is the step's `StepContext` (methods/context.py): the agents, the settings, the step, the
 capabilities and the few operations a method needs. A method never sees the trainer. Metrics
-come back per agent, named below `agent/<name>/` (`AgentMetrics`); the trainer adds the prefix.
+come back per agent, named below `agent/<name>/` (`AgentMetrics`); the trainer adds the prefix
+(`context.prefixed`: every `agent/<name>/<key>` is written by `context.agent_key`, read by `agent_of`).
 """
 
 from __future__ import annotations
