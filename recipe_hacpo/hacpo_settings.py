@@ -172,7 +172,8 @@ class HacpoSettings:
     def shares(self) -> bool:
         """Whether learners see each other's rollouts: the method's declaration (`Method.shares`),
         for code that holds only the settings; the recipe's own modules ask the method."""
-        assert method_lookup is not None, "import recipe_hacpo.methods first"
+        if method_lookup is None:
+            raise RuntimeError("HacpoSettings.shares: import recipe_hacpo.methods first (it declares each mode's facts)")
         return method_lookup(self.mode).shares
 
     def loss_kwargs(self) -> dict:
