@@ -23,8 +23,11 @@ __all__ = ["AgentSpec", "ConfigError", "HacpoSettings", "agent_specs", "agent_ve
 
 
 def hacpo_settings(cfg: DictConfig) -> HacpoSettings:
-    """`algorithm.hacpo`, typed and checked (`HacpoSettings.from_dict`, the one validation)."""
-    return HacpoSettings.from_dict(OmegaConf.to_container(cfg.algorithm.get("hacpo", {}), resolve=True) or {})
+    """`algorithm.hacpo`, typed and checked (`recipe_hacpo.methods.checked_settings`: each key,
+    then the rules of its method)."""
+    from recipe_hacpo.methods import checked_settings
+
+    return checked_settings(OmegaConf.to_container(cfg.algorithm.get("hacpo", {}), resolve=True) or {})
 
 
 AGENT_KEYS = {
@@ -135,7 +138,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     from recipe_hacpo.methods import method_for
 
     method = method_for(hacpo.mode)
-    if hacpo.shares and len(specs) < 2 and method.replay_source(hacpo) is None:
+    if method.shares and len(specs) < 2 and method.replay_source(hacpo) is None:
         raise ConfigError(
             f"algorithm.hacpo.mode={hacpo.mode}: sharing needs at least 2 agents, got {len(specs)}; "
             "add an agent or use mode=isolated"
@@ -150,7 +153,7 @@ def validate(cfg: DictConfig, *, check_paths: bool = True) -> tuple[list[AgentSp
     from recipe_hacpo.exchange.jobs import exchange_workers
 
     exchange_workers(cfg.trainer.get("exchange_workers"), len(specs))  # one line if not a thread count
-    _validate_layout(cfg, specs, hacpo.shares)
+    _validate_layout(cfg, specs, method.shares)
     _validate_pools(cfg, specs)
     _validate_gpu_memory(cfg, specs)
     _validate_vllm_on_cpu(cfg, specs)
@@ -446,8 +449,9 @@ def validate_gpu_counts(cfg: DictConfig, specs: list[AgentSpec]) -> None:
     from recipe_hacpo.methods import method_for
 
     hacpo = hacpo_settings(cfg)
-    method_for(hacpo.mode).validate(specs, hacpo, {s.name: data_parallel_world(cfg, s) for s in specs})
-    _validate_layout(cfg, specs, hacpo.shares)
+    method = method_for(hacpo.mode)
+    method.validate(specs, hacpo, {s.name: data_parallel_world(cfg, s) for s in specs})
+    _validate_layout(cfg, specs, method.shares)
 
 
 def _validate_layout(cfg: DictConfig, specs: list[AgentSpec], shares: bool) -> None:

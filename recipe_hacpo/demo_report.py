@@ -20,6 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
+from recipe_hacpo.methods.context import agent_of, unprefixed
+
 
 class ReportError(ValueError):
     pass
@@ -44,14 +46,14 @@ def _agents(rows) -> list[str]:
     names: list[str] = []
     for _, m in rows:
         for k in m:
-            parts = k.split("/")
-            if len(parts) > 2 and parts[0] == "agent" and parts[1] not in names:
-                names.append(parts[1])
+            split = agent_of(k)
+            if split is not None and split[0] not in names:
+                names.append(split[0])
     return names
 
 
 def _val(m: dict[str, float], agent: str) -> float | None:
-    vals = [v for k, v in m.items() if k.startswith(f"agent/{agent}/val/") and "/mean@" in k]
+    vals = [v for k, v in unprefixed(m, agent).items() if k.startswith("val/") and "/mean@" in k]
     return float(np.mean(vals)) if vals else None
 
 
@@ -67,15 +69,16 @@ def summarize(rows, seconds: float, window: int = 5) -> dict:
         curve = [(s, _val(m, a)) for s, m in rows if _val(m, a) is not None]
         if len(curve) < 2 or curve[0][0] != 0:
             raise ReportError(f"agent '{a}': needs a validation before training (step 0) and after it")
-        rewards = [m[f"agent/{a}/reward/mean"] for _, m in train if f"agent/{a}/reward/mean" in m]
+        mine = [unprefixed(m, a) for _, m in train]
+        rewards = [m["reward/mean"] for m in mine if "reward/mean" in m]
         omegas: dict[str, list[float]] = {}
         cross = []
-        for _, m in train:
+        for m in mine:
             for k, v in m.items():
-                if k.startswith(f"agent/{a}/omega/"):
+                if k.startswith("omega/"):
                     omegas.setdefault(k.rsplit("/", 1)[1], []).append(v)
-            if f"agent/{a}/cross/rows" in m:
-                cross.append(m[f"agent/{a}/cross/rows"])
+            if "cross/rows" in m:
+                cross.append(m["cross/rows"])
         out["agents"][a] = {
             "val_before": curve[0][1],
             "val_after": curve[-1][1],

@@ -6,8 +6,10 @@ Everything else derives from `HacpoSettings`: the `algorithm.hacpo` node of the 
 default), the keyword defaults of `recipe_hacpo.methods.core_algos`, the settings every actor worker's
 loss receives, and the key table of docs/ALGORITHM.md (`markdown_table`, checked by a test).
 
-`from_dict` is the one validation: the config check before Ray starts and every actor worker
-call it, and every error is one line naming `algorithm.hacpo.<key>`.
+`from_dict` checks each key; the rules between `mode` and the other keys belong to the methods
+(`Method.check_settings`), which this ground module cannot import. `recipe_hacpo.methods.checked_settings`
+runs both: the config check before Ray starts and every actor worker call it, and every error
+is one line naming `algorithm.hacpo.<key>`.
 
 Pure Python (no torch, no OmegaConf), so `core_algos` can import it.
 """
@@ -16,8 +18,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import MISSING, asdict, dataclass, field, fields, replace
-from typing import Any
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, Callable
 
 PATH = "algorithm.hacpo"
 
@@ -42,7 +44,7 @@ USER_CROSS_CLIPS = ("stepwise", "fixed", "none")
 
 NAIVE_CROSS_CLIP = "gspo"
 """The cross clip the Naive baseline implies (§8): cross rows get the own-row GSPO term. Not
-set by users: `mode=naive` selects it (`HacpoSettings.effective`)."""
+set by users: `mode=naive` selects it (`Method.effective`)."""
 
 CROSS_CLIP_MODES = USER_CROSS_CLIPS + (NAIVE_CROSS_CLIP,)
 """Every cross clip the loss accepts."""
@@ -51,13 +53,14 @@ SHARE_SELECTIONS = ("all", "complementary")
 """Which peer rows a learner of the sharing modes trains on (§9, the selection as its own switch):
 all (every peer row, HACPO and Naive as published) or complementary (GRAFT's G1 selection)."""
 
-SELECTING_MODES = ("hacpo", "naive")
-"""The modes `share_selection` switches; mode=graft always selects complementarily (its G1), and
-isolated (no sharing) and sgt (its own selection I_R) have nothing for the key to select."""
-
 CROSS_RATIO_LENGTHS = ("each", "source")
 """Length normaliser of the cross ratio (§4): each (each tokenisation's own length, the authors'
 code) or source (one exponent 1/|y^(j)|, the paper's Eq. 11)."""
+
+
+method_lookup: Callable[[str], Any] | None = None
+"""`recipe_hacpo.methods.method_for`, set when that package is imported: how `HacpoSettings.shares`
+asks the method of a mode (this ground module cannot import the methods, which sit above it)."""
 
 
 class ConfigError(ValueError):
@@ -167,31 +170,22 @@ class HacpoSettings:
 
     @property
     def shares(self) -> bool:
-        """Whether learners see each other's rollouts."""
-        return self.mode != "isolated"
-
-    @property
-    def selects_complementary(self) -> bool:
-        """Whether a sharing learner trains only on the peer rows of GRAFT's selection (§9)."""
-        return self.mode in SELECTING_MODES and self.share_selection == "complementary"
-
-    def effective(self) -> "HacpoSettings":
-        """The settings the Naive baseline implies (§8); HACPO and isolated unchanged."""
-        if self.mode != "naive":
-            return self
-        return replace(
-            self, capability_baseline=False, discrepancy_coefficient=False, alpha=0.0, cross_clip=NAIVE_CROSS_CLIP
-        )
+        """Whether learners see each other's rollouts: the method's declaration (`Method.shares`),
+        for code that holds only the settings; the recipe's own modules ask the method."""
+        if method_lookup is None:
+            raise RuntimeError("HacpoSettings.shares: import recipe_hacpo.methods first (it declares each mode's facts)")
+        return method_lookup(self.mode).shares
 
     def loss_kwargs(self) -> dict:
-        """The effective settings as plain data, as they travel to every actor worker, which
-        rebuilds and re-checks them with `HacpoSettings.from_dict`."""
-        return asdict(self.effective())
+        """The settings as plain data, as they travel to every actor worker (the method's
+        effective ones, `Method.effective`), which rebuilds and re-checks them."""
+        return asdict(self)
 
     @classmethod
     def from_dict(cls, raw: dict) -> "HacpoSettings":
-        """The one validation of `algorithm.hacpo`: unknown keys, types, each key's rule, and
-        the rules between keys. Missing keys take their default."""
+        """The validation of `algorithm.hacpo` key by key: unknown keys, types, each key's rule.
+        Missing keys take their default. The rules between `mode` and the other keys are the
+        method's (`recipe_hacpo.methods.checked_settings` runs both)."""
         known = {f.name: f for f in fields(cls)}
         unknown = sorted(set(raw) - set(known))
         if unknown:
@@ -202,23 +196,7 @@ class HacpoSettings:
             value = getattr(settings, f.name)
             rule = f.metadata["rule"]
             if rule is not None and not rule[0](value):
-                raise ConfigError(f"{_at(f.name, value)}: must {rule[1]}")
-        if settings.cross_clip == NAIVE_CROSS_CLIP and settings.mode != "naive":
-            raise ConfigError(
-                f"{_at('cross_clip', settings.cross_clip)}: must be {', '.join(USER_CROSS_CLIPS[:-1])} or "
-                f"{USER_CROSS_CLIPS[-1]} (the Naive baseline is {PATH}.mode=naive)"
-            )
-        if settings.share_selection != "all" and settings.mode not in SELECTING_MODES + ("graft",):
-            why = "shares nothing" if settings.mode == "isolated" else "has its own selection (I_R)"
-            raise ConfigError(
-                f"{_at('share_selection', settings.share_selection)}: must be all with {PATH}.mode={settings.mode}, "
-                f"which {why}; complementary selects the peer rows of mode=hacpo or naive"
-            )
-        if settings.replay_peer is not None and settings.mode != "graft":
-            raise ConfigError(
-                f"{_at('replay_peer', settings.replay_peer)}: replays a recorded peer for mode=graft; set "
-                f"{PATH}.mode=graft or replay_peer=null"
-            )
+                raise ConfigError(f"{key_at(f.name, value)}: must {rule[1]}")
         return settings
 
 
@@ -226,7 +204,8 @@ DEFAULTS = HacpoSettings()
 """Every key at its default; `core_algos` takes its keyword defaults from here."""
 
 
-def _at(name: str, value: Any) -> str:
+def key_at(name: str, value: Any) -> str:
+    """`algorithm.hacpo.<name>=<value>`, the head of every one-line error about a key."""
     shown = list(value) if isinstance(value, tuple) else value
     return f"{PATH}.{name}={shown!r}"
 
@@ -244,39 +223,39 @@ def _coerce(f, value: Any) -> Any:
     if kind == "bool":
         if isinstance(value, bool):
             return value
-        raise ConfigError(f"{_at(f.name, value)}: must be true or false")
+        raise ConfigError(f"{key_at(f.name, value)}: must be true or false")
     if kind == "str":
         if value in f.metadata["choices"]:
             return value
         if f.name == "mode" and isinstance(value, str) and EXTERNAL_METHOD.match(value):
             return value  # a method outside the package, imported by recipe_hacpo.methods.method_for
         extra = " or package.module:Class (a method outside the package)" if f.name == "mode" else ""
-        raise ConfigError(f"{_at(f.name, value)}: must be one of {', '.join(f.metadata['choices'])}{extra}")
+        raise ConfigError(f"{key_at(f.name, value)}: must be one of {', '.join(f.metadata['choices'])}{extra}")
     if kind == "int":
         number = _number(value)
         if number is not None and number.is_integer():
             return int(number)
-        raise ConfigError(f"{_at(f.name, value)}: must be a whole number")
+        raise ConfigError(f"{key_at(f.name, value)}: must be a whole number")
     if kind == "float" or (kind == "float | None" and value is not None):
         number = _number(value)
         if number is not None:
             return number
-        raise ConfigError(f"{_at(f.name, value)}: must be a number" + (" or null" if "None" in kind else ""))
+        raise ConfigError(f"{key_at(f.name, value)}: must be a number" + (" or null" if "None" in kind else ""))
     if kind == "float | None":
         return None
     if kind == "str | None":
         if value is None or (isinstance(value, str) and value):
             return value
-        raise ConfigError(f"{_at(f.name, value)}: must be a path or null")
+        raise ConfigError(f"{key_at(f.name, value)}: must be a path or null")
     if kind == "dict":
         if isinstance(value, dict) and all(isinstance(k, str) for k in value):
             return dict(value)
-        raise ConfigError(f"{_at(f.name, value)}: must be a map of option names to values")
+        raise ConfigError(f"{key_at(f.name, value)}: must be a map of option names to values")
     if kind == "tuple[float, float]":
         pair = [_number(v) for v in value] if isinstance(value, (list, tuple)) else []
         if len(pair) == 2 and None not in pair:
             return (pair[0], pair[1])
-        raise ConfigError(f"{_at(f.name, value)}: must be a list [low, high] of two numbers")
+        raise ConfigError(f"{key_at(f.name, value)}: must be a list [low, high] of two numbers")
     raise TypeError(f"HacpoSettings.{f.name}: no coercion for type {kind}")  # a new field needs one here
 
 

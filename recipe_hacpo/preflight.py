@@ -752,6 +752,7 @@ def judge_train(steps_a: dict, steps_b: dict, ckpt_root: str, agents: list[str])
     agent's pg_loss and grad_norm in each (finite, and the gradient not 0 at every step: an update
     that moved no weight checks nothing), the two checkpoints. Empty: nothing."""
     from recipe_hacpo.cluster.reliability import checkpoint_problem
+    from recipe_hacpo.methods.context import agent_key
 
     problems = []
     if sorted(steps_a) != [1]:
@@ -761,14 +762,14 @@ def judge_train(steps_a: dict, steps_b: dict, ckpt_root: str, agents: list[str])
     for run_name, steps in (("A", steps_a), ("B", steps_b)):
         for step, data in sorted(steps.items()):
             for agent in agents:
-                loss = data.get(f"agent/{agent}/actor/pg_loss")
+                loss = data.get(agent_key(agent, "actor/pg_loss"))
                 if not isinstance(loss, (int, float)) or not math.isfinite(loss):
                     problems.append(f"run {run_name} step {step}: {agent} pg_loss {loss}")
-                norm = data.get(f"agent/{agent}/actor/grad_norm")
+                norm = data.get(agent_key(agent, "actor/grad_norm"))
                 if not isinstance(norm, (int, float)) or not math.isfinite(norm):
                     problems.append(f"run {run_name} step {step}: {agent} grad_norm {norm}")
     for agent in agents:
-        norms = [d.get(f"agent/{agent}/actor/grad_norm") for d in (*steps_a.values(), *steps_b.values())]
+        norms = [d.get(agent_key(agent, "actor/grad_norm")) for d in (*steps_a.values(), *steps_b.values())]
         if norms and all(n == 0 for n in norms):
             problems.append(f"{agent}: grad_norm 0 at every step (every advantage 0: no update changed a weight)")
     for step in (1, 2):

@@ -131,7 +131,8 @@ def test_buffer_state_round_trips():
 
 # ---------------------------------------------------------------- capabilities
 def test_aligned_series_equal_the_lockstep_tracker():
-    rewards = [[0.1, 0.5], [0.3, 0.4], [0.0, 0.9], [0.2, 0.2], [0.7, 0.1]]
+    # one formula (smoothed_capability) computes both: equal to the bit, the floor included
+    rewards = [[0.1, 0.5], [0.3, 0.4], [0.0, 0.9], [0.2, 0.2], [0.7, 0.1], [0.0, 0.0], [0.0, 0.1], [0.0, 0.3]]
     tracker = CapabilityTracker(2, window=3, floor=0.05)
     series = CapabilitySeries(("a", "b"), window=3, floor=0.05)
     for step, (ra, rb) in enumerate(rewards, start=1):
@@ -139,11 +140,11 @@ def test_aligned_series_equal_the_lockstep_tracker():
         series.record("a", step, ra)
         series.record("b", step, rb)
         caps = tracker.capabilities()
-        assert series.capability("a") == pytest.approx(float(caps[0]), abs=1e-15)
-        assert series.capability("b") == pytest.approx(float(caps[1]), abs=1e-15)
+        assert (series.capability("a"), series.capability("b")) == (float(caps[0]), float(caps[1]))
+    assert series.capability("a") == float(tracker.capabilities()[0]) == 0.05  # three zero steps: the floor
     assert series.capability("a", 1) == pytest.approx(0.1) and series.capability("a", 0) == 1.0
-    with pytest.raises(ValueError, match="step 7 recorded after step 5"):
-        series.record("a", 7, 0.0)
+    with pytest.raises(ValueError, match="step 10 recorded after step 8"):
+        series.record("a", 10, 0.0)
 
 
 # ---------------------------------------------------------------- the loop in virtual time

@@ -52,12 +52,15 @@ def test_agent_override_merges_into_template(demo_overrides):
 
 def test_naive_settings_imply_plain_baseline():
     from recipe_hacpo.config import HacpoSettings
+    from recipe_hacpo.methods import loss_settings, method_for
 
-    naive = HacpoSettings(mode="naive", alpha=3.0).effective()
+    naive = method_for("naive").effective(HacpoSettings(mode="naive", alpha=3.0))
     assert (naive.capability_baseline, naive.discrepancy_coefficient, naive.alpha, naive.cross_clip) == (
         False, False, 0.0, "gspo",
     )
-    assert HacpoSettings(mode="hacpo", alpha=3.0).loss_kwargs()["alpha"] == 3.0
+    assert loss_settings(HacpoSettings(mode="hacpo", alpha=3.0))["alpha"] == 3.0
+    assert loss_settings(HacpoSettings(mode="naive", alpha=3.0))["alpha"] == 0.0
+    assert loss_settings(HacpoSettings(mode="isolated")) is None  # verl's own loss
 
 
 @pytest.mark.parametrize(

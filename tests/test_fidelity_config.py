@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from recipe_hacpo.config import ConfigError, HacpoSettings, hacpo_settings, validate
+from recipe_hacpo.methods import checked_settings, loss_settings, method_for
 from helpers.compose import compose_config as _compose
 
 
@@ -21,7 +22,7 @@ def test_baseline_cap_default_null_and_value():
     assert hacpo_settings(_compose(PRESET, GPUS_8 + ["algorithm.hacpo.baseline_cap=null"])).baseline_cap is None
     assert hacpo_settings(_compose(PRESET, GPUS_8 + ["algorithm.hacpo.baseline_cap=2"])).baseline_cap == 2.0
     # the Naive baseline keeps the key (it never trips: its baseline is the plain mean)
-    assert HacpoSettings(mode="naive", baseline_cap=None).effective().baseline_cap is None
+    assert method_for("naive").effective(HacpoSettings(mode="naive", baseline_cap=None)).baseline_cap is None
 
 
 def test_cross_ratio_length_reaches_the_loss():
@@ -30,7 +31,7 @@ def test_cross_ratio_length_reaches_the_loss():
     _, hacpo = validate(cfg, check_paths=False)
     assert hacpo.loss_kwargs()["cross_ratio_length"] == "source"
     # what an actor worker rebuilds from what the driver ships
-    assert HacpoSettings.from_dict(hacpo.loss_kwargs()).cross_ratio_length == "source"
+    assert checked_settings(loss_settings(hacpo)).cross_ratio_length == "source"
 
 
 @pytest.mark.parametrize(

@@ -16,7 +16,7 @@ import pytest
 from helpers.compose import compose_config as _compose
 from omegaconf import OmegaConf
 
-from recipe_hacpo.methods import core_algos
+from recipe_hacpo.methods import checked_settings, core_algos, loss_settings, method_for
 from recipe_hacpo.config import validate
 from recipe_hacpo.hacpo_settings import (
     DEFAULTS,
@@ -110,10 +110,10 @@ def test_core_keyword_defaults_are_the_declared_defaults():
 
 def test_named_cross_clips():
     assert USER_CROSS_CLIPS == ("stepwise", "fixed", "none")
-    naive = HacpoSettings(mode="naive").effective()
+    naive = method_for("naive").effective(HacpoSettings(mode="naive"))
     assert naive.cross_clip == NAIVE_CROSS_CLIP
     # what the driver ships to a Naive actor worker passes the worker's validation
-    assert HacpoSettings.from_dict(naive.loss_kwargs()) == naive
+    assert checked_settings(loss_settings(HacpoSettings(mode="naive"))) == naive
 
 
 # (override, the key it must name); every key has at least one bad value here
@@ -180,13 +180,14 @@ def test_complementary_selection_is_refused_where_it_selects_nothing(mode, why):
 @pytest.mark.parametrize("mode, selects", [("hacpo", True), ("naive", True), ("graft", False)])
 def test_complementary_selection_switches_hacpo_and_naive_and_graft_implies_it(mode, selects):
     both = {"mode": mode, "share_selection": "complementary"}
-    settings = HacpoSettings.from_dict(both)
+    settings = checked_settings(both)
+    method = method_for(mode)
     # graft always selects by its own G1 (graft_exchange); the switch is for the sharing modes
-    assert settings.selects_complementary is selects
-    assert HacpoSettings.from_dict({"mode": mode}).share_selection == "all"
-    assert not HacpoSettings.from_dict({"mode": mode}).selects_complementary
+    assert method.selects_complementary(settings) is selects
+    assert checked_settings({"mode": mode}).share_selection == "all"
+    assert not method.selects_complementary(checked_settings({"mode": mode}))
     # what the driver ships to the actor workers passes their validation
-    assert HacpoSettings.from_dict(settings.loss_kwargs()).share_selection == "complementary"
+    assert checked_settings(loss_settings(settings)).share_selection == "complementary"
 
 
 def test_main_reports_a_bad_key_in_one_line_before_ray():

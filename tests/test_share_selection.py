@@ -21,6 +21,7 @@ from recipe_hacpo.methods.core_algos import compute_hacpo_advantage, compute_hac
 from recipe_hacpo.exchange.retokenize import RowConverter, pack_rows
 from recipe_hacpo.methods.graft_formulas import graft_selection
 from recipe_hacpo.hacpo_settings import HacpoSettings
+from recipe_hacpo.methods import method_for
 
 F64 = torch.float64
 G = 2
@@ -239,7 +240,7 @@ def test_worker_loss_leaves_out_unselected_rows_in_value_gradient_and_row_count(
     kept = int((~excluded).sum())
     tokens = sum(len(r) for (_, r), e in zip(rows, excluded.tolist()) if not e)
     counts = dict(batch_num_tokens=tokens, global_batch_size=12)
-    hacpo = HacpoSettings(mode=mode, share_selection="complementary").effective()
+    hacpo = method_for(mode).effective(HacpoSettings(mode=mode, share_selection="complementary"))
 
     def run(**extra):
         gen = torch.Generator().manual_seed(7)

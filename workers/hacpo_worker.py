@@ -25,8 +25,7 @@ from omegaconf import DictConfig
 from tensordict import TensorDict
 
 from recipe_hacpo import batch_keys as K
-from recipe_hacpo.hacpo_settings import HacpoSettings
-from recipe_hacpo.methods import method_for
+from recipe_hacpo.methods import checked_settings, method_for
 from recipe_hacpo.methods.objective import actor_loss
 from recipe_hacpo.workers.vocab_tail import ban_vocab_tail
 from verl.single_controller.base.decorator import Dispatch, register
@@ -125,8 +124,8 @@ class HacpoActorRolloutRefWorker(ActorRolloutRefWorker):
     def __init__(self, config: DictConfig, role: str, hacpo_loss: dict | None = None, **kwargs):
         super().__init__(config, role, **kwargs)
         # None: verl's own loss (actor.policy_loss.loss_mode) stays installed (mode isolated).
-        # Otherwise the driver's HacpoSettings.loss_kwargs(), checked again by the one validation
-        self.hacpo_loss = HacpoSettings.from_dict(hacpo_loss) if hacpo_loss is not None else None
+        # Otherwise the driver's `loss_settings` (the method's effective ones), checked again
+        self.hacpo_loss = checked_settings(hacpo_loss) if hacpo_loss is not None else None
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def init_model(self):

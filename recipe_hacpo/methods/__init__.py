@@ -21,13 +21,18 @@ from __future__ import annotations
 
 import importlib
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
+from recipe_hacpo import hacpo_settings as _settings
 from recipe_hacpo.methods.base import Method
+
+if TYPE_CHECKING:
+    from recipe_hacpo.hacpo_settings import HacpoSettings
 
 # mode → (module, class, keyword arguments); modules are imported on first use
 METHODS: dict[str, tuple[str, str, dict]] = {
     "hacpo": ("recipe_hacpo.methods.hacpo", "Hacpo", {"shares": True}),
-    "naive": ("recipe_hacpo.methods.hacpo", "Hacpo", {"shares": True}),
+    "naive": ("recipe_hacpo.methods.hacpo", "Hacpo", {"shares": True, "naive": True}),
     "isolated": ("recipe_hacpo.methods.hacpo", "Hacpo", {"shares": False}),
     "graft": ("recipe_hacpo.methods.graft", "Graft", {}),
     "sgt": ("recipe_hacpo.methods.sgt", "Sgt", {}),
@@ -60,4 +65,25 @@ def method_for(mode: str) -> Method:
         raise ConfigError(f"{where}: {exc}") from exc
 
 
-__all__ = ["METHODS", "Method", "method_for"]
+_settings.method_lookup = method_for  # `HacpoSettings.shares` asks the method
+
+
+def checked_settings(raw: dict) -> "HacpoSettings":
+    """`algorithm.hacpo` typed and checked whole: each key (`HacpoSettings.from_dict`), then the
+    rules its method sets between its mode and the other keys (`Method.check_settings`)."""
+    from recipe_hacpo.hacpo_settings import HacpoSettings
+
+    settings = HacpoSettings.from_dict(raw)
+    method_for(settings.mode).check_settings(settings)
+    return settings
+
+
+def loss_settings(settings: "HacpoSettings") -> dict | None:
+    """What every actor worker's loss receives (it rebuilds them with `checked_settings`): the
+    method's effective settings as plain data; None for a method that shares nothing, whose
+    workers keep verl's own loss."""
+    method = method_for(settings.mode)
+    return method.effective(settings).loss_kwargs() if method.shares else None
+
+
+__all__ = ["METHODS", "Method", "checked_settings", "loss_settings", "method_for"]

@@ -76,9 +76,37 @@ class StepContext:
         return {s.name: {} for s in self.specs}
 
 
+AGENT_PREFIX = "agent/"
+"""Every per-agent metric is named `agent/<name>/<key>`, in the logs and in metrics.jsonl."""
+
+
+def agent_key(name: str, key: str) -> str:
+    """`agent/<name>/<key>`: the one place the prefix is written, so a reader of the logs
+    (`agent_of`) and every writer agree on it."""
+    return f"{AGENT_PREFIX}{name}/{key}"
+
+
+def agent_of(key: str) -> tuple[str, str] | None:
+    """(name, key) of a metric named `agent/<name>/<key>`; None for a metric of no agent."""
+    parts = key.split("/", 2)
+    if len(parts) == 3 and parts[0] == AGENT_PREFIX[:-1]:
+        return parts[1], parts[2]
+    return None
+
+
 def prefixed(agent_metrics: Mapping[str, Mapping[str, float]]) -> dict[str, float]:
-    """`agent/<name>/<key>` for every per-agent metric: the one place the prefix is added."""
-    return {f"agent/{name}/{key}": value for name, keys in agent_metrics.items() for key, value in keys.items()}
+    """`agent/<name>/<key>` for every per-agent metric ({name: {key: value}})."""
+    return {agent_key(name, key): value for name, keys in agent_metrics.items() for key, value in keys.items()}
 
 
-__all__ = ["AgentMetrics", "RecordedRows", "StepContext", "prefixed"]
+def unprefixed(metrics: Mapping[str, float], name: str) -> dict[str, float]:
+    """Agent `name`'s metrics of `metrics`, named below its prefix (the inverse of `prefixed`)."""
+    out = {}
+    for key, value in metrics.items():
+        split = agent_of(key)
+        if split is not None and split[0] == name:
+            out[split[1]] = value
+    return out
+
+
+__all__ = ["AGENT_PREFIX", "AgentMetrics", "RecordedRows", "StepContext", "agent_key", "agent_of", "prefixed", "unprefixed"]

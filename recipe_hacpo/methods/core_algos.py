@@ -23,6 +23,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from recipe_hacpo.asynchronous.capability import smoothed_capability
+
 # the keys' defaults and the allowed values are declared once, in recipe_hacpo.hacpo_settings
 from recipe_hacpo.hacpo_settings import CROSS_CLIP_MODES, CROSS_RATIO_LENGTHS, DEFAULTS
 
@@ -95,11 +97,10 @@ class CapabilityTracker:
         self._history.append(values)
 
     def capabilities(self) -> torch.Tensor:
-        """P̂ per agent, float64 [N], floored at ε_P (ones before the first update)."""
-        if not self._history:
-            return torch.ones(self.num_agents, dtype=torch.float64)
-        mean = torch.tensor(list(self._history), dtype=torch.float64).mean(dim=0)
-        return mean.clamp(min=self.floor)
+        """P̂ per agent, float64 [N], floored at ε_P (ones before the first update); the formula
+        is `smoothed_capability`, the same the asynchronous agents' series computes."""
+        columns = list(zip(*self._history)) or [()] * self.num_agents
+        return torch.tensor([smoothed_capability(c, self.floor) for c in columns], dtype=torch.float64)
 
     def omega(self, k: int, j: int) -> float:
         """ω^(k,j) = P̂^(k) / P̂^(j), clamped to `omega_clip`; ω^(k,k) = 1."""

@@ -229,6 +229,12 @@ class Graft(Method):
     metric_groups = ("graft/",)
     objective = GRAFT_OBJECTIVE
     batch_fields = GRAFT_FIELDS
+    # a receiver compares its answers with a peer's to the same prompts (asynchronous: takes of its
+    # own batch only); its groups stay its own size whatever it took
+    joint_only = True
+    # always selects complementarily (G1), so share_selection=complementary is allowed, a no-op
+    takes_share_selection = True
+    replays = True
 
     def validate(self, specs: list["AgentSpec"], settings: "HacpoSettings", gpus: dict[str, int]) -> None:
         """Every group must have the same size n (a grafted group replaces a whole group, and the

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from recipe_hacpo import batch_keys as K
+from recipe_hacpo.hacpo_settings import NAIVE_CROSS_CLIP
 from recipe_hacpo.methods.core_algos import capability_baseline, capability_ratio, compute_hacpo_advantage, hacpo_policy_loss_matrix
 from recipe_hacpo.methods.graft_formulas import graft_selection
 from recipe_hacpo.methods.base import Method
@@ -157,6 +158,10 @@ def selection_metrics(batch: DataProto, selection: ShareSelection, learner: int)
 
 
 # ------------------------------------------------------------------ the method
+NAIVE_IMPLIED = {"capability_baseline": False, "discrepancy_coefficient": False, "alpha": 0.0, "cross_clip": NAIVE_CROSS_CLIP}
+"""What mode=naive sets whatever the config says (§8): HACPO with its capability terms off."""
+
+
 class Hacpo(Method):
     """modes hacpo, naive (capability terms off) and isolated (nothing shared, verl's loss)."""
 
@@ -165,9 +170,18 @@ class Hacpo(Method):
     batch_fields = (K.SELECTED,)
     global_counts = {K.LOSS_ROWS: K.SELECTED}
 
-    def __init__(self, shares: bool = True) -> None:
+    def __init__(self, shares: bool = True, naive: bool = False) -> None:
         self.shares = shares
         self.objective = HACPO_OBJECTIVE if shares else None
+        # the joint group (spec §2) holds every agent's part; asynchronous fills a missing one
+        self.joint_groups = shares
+        # share_selection=complementary picks the peer rows of a sharing learner (§9)
+        self.takes_share_selection = shares
+        # the Naive baseline (§8): plain mean/std, no ω, α = 0, cross rows as GSPO rows
+        self.implied = dict(NAIVE_IMPLIED) if naive else {}
+
+    def selects_complementary(self, settings: "HacpoSettings") -> bool:
+        return self.shares and settings.share_selection == "complementary"
 
     def rows_per_prompt(self, specs: list["AgentSpec"], learner: "AgentSpec", settings: "HacpoSettings") -> int:
         # every agent's group for the prompt when sharing (spec §2: the joint group)
@@ -179,7 +193,7 @@ class Hacpo(Method):
         settings, caps, metrics = ctx.settings, ctx.capabilities, ctx.metrics()
         # share_selection=complementary: GRAFT's G1 picks, per learner and prompt, the one peer
         # whose rows enter the loss (None: every peer row, the methods as published)
-        selection = complementary_sources(ctx, rollouts) if settings.selects_complementary else None
+        selection = complementary_sources(ctx, rollouts) if self.selects_complementary(settings) else None
         batches = {}
         for learner in ctx.learner_specs:
             mine = metrics[learner.name]

@@ -198,6 +198,8 @@ class Sgt(Method):
     # of a mini-batch (the NLL's token-mean denominator, `sgt_policy_term`)
     batch_fields = SGT_FIELDS
     global_counts = {K.IMITATION_TOKENS: K.IMITATION_MASK}
+    # the receiver imitates a peer's answer to the same prompt (asynchronous: takes of its own batch only)
+    joint_only = True
 
     def rows_per_prompt(self, specs: list["AgentSpec"], learner: "AgentSpec", settings: "HacpoSettings") -> int:
         return learner.rollout_n + 1  # the learner's own group and its imitation slot

@@ -25,6 +25,7 @@ from recipe_hacpo.agent_spec import AgentSpec
 from recipe_hacpo.hacpo_settings import HacpoSettings
 from recipe_hacpo.exchange.retokenize import eos_token_ids
 from recipe_hacpo.cluster.placement import make_pool, request_for
+from recipe_hacpo.methods import loss_settings
 from recipe_hacpo.methods.objective import aggregation_of
 from verl import DataProto
 from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
@@ -73,7 +74,7 @@ class AgentRuntime:
             config=arr,
             role=role,
             # isolated mode keeps verl's own loss (gspo / vanilla per actor.policy_loss)
-            hacpo_loss=hacpo.loss_kwargs() if hacpo.shares else None,
+            hacpo_loss=loss_settings(hacpo),
         )
         self.wg = RayWorkerGroup(
             resource_pool=self.pool,

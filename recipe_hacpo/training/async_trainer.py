@@ -39,7 +39,8 @@ from recipe_hacpo.asynchronous.virtual_clock import Timeline, VirtualClock
 from recipe_hacpo.asynchronous.wall_clock import WallClock
 from recipe_hacpo.atomic_io import atomic_write_text
 from recipe_hacpo.cluster.reliability import check_learner_batch
-from recipe_hacpo.methods.context import StepContext
+from recipe_hacpo.methods import method_for
+from recipe_hacpo.methods.context import StepContext, agent_key, prefixed, unprefixed
 from recipe_hacpo.training.trainer import HacpoTrainer, attach_old_log_probs, device_pads, pad_phase, summary_lines
 from verl import DataProto
 
@@ -113,7 +114,7 @@ def validate_async(cfg: DictConfig, specs, hacpo) -> AsyncSettings:
     if hacpo.replay_peer is not None:
         raise ConfigError(f"{PATH}.enable: algorithm.hacpo.replay_peer (a recorded peer, lockstep by nature) "
                           "does not run asynchronously")
-    if hacpo.selects_complementary:
+    if method_for(hacpo.mode).selects_complementary(hacpo):
         raise ConfigError(f"{PATH}.enable: algorithm.hacpo.share_selection=complementary does not run asynchronously yet")
     t = cfg.trainer
     # a sample tape (trainer.replay_samples_dir) replays: an agent's step v asks for the seeds of
@@ -158,7 +159,7 @@ class AgentSteps:
         attach_old_log_probs(self.name, rollouts, lp)
         checked: dict[str, float] = {}
         self.trainer.check_rollout_policy({self.name: rollouts}, checked, step=self.version + 1)
-        self.metrics.update({k.split("/", 2)[2]: v for k, v in checked.items()})
+        self.metrics.update(unprefixed(checked, self.name))
         return rollouts, payload_bytes(rollouts)
 
     def update(self, rollouts: DataProto, peers: list[Entry], capabilities: dict[str, float]) -> dict[str, float]:
@@ -262,7 +263,7 @@ class AsyncHacpoTrainer(HacpoTrainer):
         self._saved_round: int | None = None  # newest round with a joint checkpoint of this run
         self._validated: dict[str, int] = {}  # agent -> the newest of its versions validated
         self._val_list: list | None = None
-        self.joint_only = hacpo.mode in ("graft", "sgt")
+        self.joint_only = self.method.joint_only
 
     def init_workers(self, train_dataloader, val_dataloader, total_steps: int) -> None:
         super().init_workers(train_dataloader, val_dataloader, total_steps)
@@ -303,8 +304,8 @@ class AsyncHacpoTrainer(HacpoTrainer):
         caps = torch.tensor([capabilities.get(s.name, self.shared.capabilities.capability(s.name)) for s in self.specs],
                             dtype=torch.float32)
         sources = {name: rollouts, **{e.source: e.payload for e in peers}}
-        # GRAFT and SGT compare the agents' answers to the same prompts: their context holds the
-        # learner and the peers that answered its batch (their takes are joint only)
+        # a method whose takes are joint only (GRAFT, SGT: they compare the agents' answers to the
+        # same prompts) sees the learner and the peers that answered its batch
         specs = tuple(s for s in self.specs if s.name in sources) if self.joint_only else tuple(self.specs)
         ctx = StepContext(
             specs=specs, settings=self.hacpo, effective=self.effective, step=step, capabilities=caps,
@@ -316,8 +317,7 @@ class AsyncHacpoTrainer(HacpoTrainer):
         learner = next(s for s in self.specs if s.name == name)
         # HACPO's joint groups hold every agent's part (Hacpo.rows_per_prompt); GRAFT's and SGT's
         # groups are the learner's own size whatever it took
-        padded = self.hacpo.mode in ("hacpo", "naive")
-        batch = pad_groups(batches[name], self.specs, learner, padded)
+        batch = pad_groups(batches[name], self.specs, learner, method.joint_groups)
         mine = dict(metrics[name])
         mine.update(method.advantages(ctx, {name: batch})[name])
         mine["async/filler_rows"] = float(len(batch) - len(batches[name]))
@@ -337,10 +337,9 @@ class AsyncHacpoTrainer(HacpoTrainer):
 
     def validate_one(self, name: str) -> dict[str, float]:
         """`name`'s held-out metrics, named below agent/<name>/ (as its step's own metrics are)."""
-        prefix = f"agent/{name}/"
         out = self.validate(only=name)
         self._validated[name] = self.shared.buffer.versions[name]
-        return {k[len(prefix):]: v for k, v in out.items()}
+        return unprefixed(out, name)
 
     def announce(self, name: str, step: int, phase: str) -> None:
         """With `trainer.progress_file`: {"agent", "step", "phase", "time", "round"} of the phase an
@@ -371,7 +370,7 @@ class AsyncHacpoTrainer(HacpoTrainer):
             v = min(self._pending)
             if not final and set(self._pending[v]) != set(names):
                 return
-            data = {f"agent/{a}/{k}": x for a, m in self._pending.pop(v).items() for k, x in m.items()}
+            data = prefixed(self._pending.pop(v))
             buf = self.shared.buffer
             data.update({"async/buffer/entries": float(len(buf.entries)), "async/buffer/bytes": float(buf.nbytes),
                          "async/buffer/evicted_stale": float(buf.evicted_stale), "training/global_step": v})
@@ -457,7 +456,7 @@ class AsyncHacpoTrainer(HacpoTrainer):
         if t.get("val_before_train", True) and not resumed:
             print("hacpo: validating the agents before training", flush=True)
             logger.log(data=self.validate(), step=0)
-        peers = names if self.hacpo.shares else ()
+        peers = names if self.method.shares else ()
         loops = {n: agent_loop(AgentSteps(self, n), self.shared, peers=peers, joint_only=self.joint_only) for n in names}
         pools = {n: n for n in names}
         print(f"hacpo: asynchronous agents on the {s.clock} clock (max_source_lag={s.max_source_lag}, "
@@ -479,13 +478,13 @@ class AsyncHacpoTrainer(HacpoTrainer):
         t, round_ = self.config.trainer, self.shared.round
         summary = {"async/end_s": timeline.end}
         for name in timeline.agent_busy:
-            summary[f"agent/{name}/async/pool_busy_frac"] = timeline.busy_fraction(name)
-            summary[f"agent/{name}/async/wait_s"] = timeline.pool_wait[name] + timeline.checkpoint_wait[name]
-            summary[f"agent/{name}/async/steps"] = float(self.shared.buffer.versions[name])
+            summary[agent_key(name, "async/pool_busy_frac")] = timeline.busy_fraction(name)
+            summary[agent_key(name, "async/wait_s")] = timeline.pool_wait[name] + timeline.checkpoint_wait[name]
+            summary[agent_key(name, "async/steps")] = float(self.shared.buffer.versions[name])
         if t.test_freq > 0:  # every agent validated at its last step
             for name, version in self.shared.buffer.versions.items():
                 if self._validated.get(name) != version and version > 0:
-                    val = {f"agent/{name}/{k}": v for k, v in self.validate_one(name).items()}
+                    val = prefixed({name: self.validate_one(name)})
                     summary.update(val)
         if t.save_freq > 0 and self._saved_round != round_:
             self.save_async_checkpoint(round_, timeline.end)

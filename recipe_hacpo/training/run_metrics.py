@@ -29,6 +29,7 @@ import os
 from omegaconf import DictConfig
 
 from recipe_hacpo.hacpo_settings import ConfigError
+from recipe_hacpo.methods.context import agent_key
 
 JSONL_NAME, TENSORBOARD_NAME, WANDB_ID_FILE = "metrics.jsonl", "tensorboard", "wandb_run_id"
 GENERATIONS_NAME = "val_generations.jsonl"  # trainer.log_val_generations
@@ -166,12 +167,12 @@ class RunMetrics:
                 table = self._tables.setdefault(name, [])
                 table += [[step, i, o, float(r)] for i, o, r in rows]
                 if wandb.run is not None:
-                    wandb.log({f"agent/{name}/val/generations": wandb.Table(
+                    wandb.log({agent_key(name, "val/generations"): wandb.Table(
                         columns=["step", "input", "output", "score"], data=list(table))}, step=step)
         writer = self._text_writer()
         for name, rows in chosen.items():
             text = "\n\n".join(f"**input** {i}\n\n**output** {o}\n\n**score** {float(r)}" for i, o, r in rows)
-            writer.add_text(f"agent/{name}/val/generations", text, global_step=step)
+            writer.add_text(agent_key(name, "val/generations"), text, global_step=step)
         writer.flush()
 
     def _text_writer(self):

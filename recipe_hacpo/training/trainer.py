@@ -47,7 +47,7 @@ from recipe_hacpo.methods.core_algos import CapabilityTracker
 from recipe_hacpo.exchange.retokenize import RowConverter, mean_log_prob_per_response
 from recipe_hacpo.exchange.jobs import ConversionJobs, exchange_workers
 from recipe_hacpo.methods import Method, method_for
-from recipe_hacpo.methods.context import RecordedRows, StepContext, prefixed
+from recipe_hacpo.methods.context import RecordedRows, StepContext, agent_key, agent_of, prefixed
 from recipe_hacpo.cluster.placement import check_ray_cluster, make_pool, master_port_ranges, request_for
 from recipe_hacpo.cluster.reliability import (
     LATEST_FILE,
@@ -111,7 +111,7 @@ class HacpoTrainer:
         self.config = config
         self.specs = specs
         self.hacpo = hacpo
-        self.effective = hacpo.effective()
+        self.effective = self.method.effective(hacpo)
         self.device_name = str(config.trainer.device)
         ports = master_port_ranges(config.trainer.master_port_range, [s.name for s in specs])
         self.agents: dict[str, AgentRuntime] = {
@@ -199,7 +199,7 @@ class HacpoTrainer:
             out = fn(agent)
             if phase:
                 pad_phase(self.device_pads, agent.spec.name, phase, start)
-                self.agent_timing[f"agent/{agent.spec.name}/timing_s/{phase}"] = time.perf_counter() - start
+                self.agent_timing[agent_key(agent.spec.name, f"timing_s/{phase}")] = time.perf_counter() - start
             return out
 
         futures = {n: self._pool.submit(timed, a) for n, a in self.agents.items() if not a.spec.uses_shared_pool}
@@ -338,7 +338,7 @@ class HacpoTrainer:
         for name, batch in rollouts.items():
             # the text decoded in the background as the rollouts returned (the same function)
             texts = jobs.texts(name) if jobs is not None and jobs.started(name) else None
-            metrics.update({f"agent/{name}/{k}": v for k, v in self.score_rollouts(name, batch, texts).items()})
+            metrics.update(prefixed({name: self.score_rollouts(name, batch, texts)}))
 
     def score_rollouts(self, name: str, batch: DataProto, texts=None) -> dict[str, float]:
         """The verifier's rewards of `name`'s rollouts, attached to `batch`; their metrics (below agent/<name>/)."""
@@ -372,14 +372,13 @@ class HacpoTrainer:
                                    batch.batch["response_mask"])
             if stats.tokens == 0:
                 continue
-            prefix = f"agent/{name}/rollout"
-            metrics[f"{prefix}/log_prob_diff_max"] = stats.max_abs
-            metrics[f"{prefix}/log_prob_diff_mean"] = stats.mean_abs
+            metrics[agent_key(name, "rollout/log_prob_diff_max")] = stats.max_abs
+            metrics[agent_key(name, "rollout/log_prob_diff_mean")] = stats.mean_abs
             if not math.isnan(stats.pearson):
-                metrics[f"{prefix}/log_prob_pearson"] = stats.pearson
+                metrics[agent_key(name, "rollout/log_prob_pearson")] = stats.pearson
             precision = agent_precision(self.agents[name].config)
             violated = violations(stats, self.rollout_check.limits(precision), self.rollout_check.min_tokens)
-            metrics[f"{prefix}/policy_mismatch"] = float(bool(violated))
+            metrics[agent_key(name, "rollout/policy_mismatch")] = float(bool(violated))
             if violated and self.rollout_check.action != "off":
                 failures.append((name, mismatch_message(step, precision, stats, violated)))
         if failures and self.rollout_check.action == "stop":
@@ -392,7 +391,7 @@ class HacpoTrainer:
         self.tracker.update([float(rollouts[s.name].batch[K.REWARD].mean()) for s in self.specs])
         caps = self.tracker.capabilities()
         for s in self.specs:
-            metrics[f"agent/{s.name}/capability"] = float(caps[s.index])
+            metrics[agent_key(s.name, "capability")] = float(caps[s.index])
 
     # ------------------------------------------------------------------ 4 exchange
     def exchange(self, rollouts: dict[str, DataProto], metrics: dict) -> dict[str, DataProto]:
@@ -463,7 +462,7 @@ class HacpoTrainer:
             phase="update_actor",
         )
         for name, agent_metrics in out.items():
-            metrics.update({f"agent/{name}/{k}": v for k, v in self.update_metrics(name, agent_metrics).items()})
+            metrics.update(prefixed({name: self.update_metrics(name, agent_metrics)}))
 
     def update_metrics(self, name: str, agent_metrics: dict[str, float]) -> dict[str, float]:
         """One agent's update metrics, checked, with the method's step figures, named below
@@ -538,7 +537,7 @@ class HacpoTrainer:
         for name, per_source in sums.items():
             k = int(self.agents[name].config.actor_rollout_ref.rollout.val_kwargs.n)
             for src, values in per_source.items():
-                metrics[f"agent/{name}/val/{src}/mean@{k}"] = float(np.mean(values))
+                metrics[agent_key(name, f"val/{src}/mean@{k}")] = float(np.mean(values))
         return metrics
 
     def val_batches(self):
@@ -877,9 +876,9 @@ def summary_lines(metrics: dict[str, float], step: int, total: int) -> str:
     held-out accuracy (mean over validation sources), ω of each peer, cross rows used."""
     agents: dict[str, dict[str, float]] = {}
     for key, value in metrics.items():
-        parts = key.split("/", 2)
-        if len(parts) == 3 and parts[0] == "agent":
-            agents.setdefault(parts[1], {})[parts[2]] = value
+        split = agent_of(key)
+        if split is not None:
+            agents.setdefault(split[0], {})[split[1]] = value
     lines = []
     for name, m in agents.items():
         fields = []

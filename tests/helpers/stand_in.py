@@ -17,6 +17,7 @@ from omegaconf import OmegaConf
 
 from recipe_hacpo.agent_spec import AgentSpec
 from recipe_hacpo.hacpo_settings import HacpoSettings
+from recipe_hacpo.methods import method_for
 from recipe_hacpo.methods.context import StepContext
 
 
@@ -36,7 +37,7 @@ def stand_in_trainer(names: Sequence[str] = (), *, specs: list | None = None, se
     t = object.__new__(cls or HacpoTrainer)
     t.specs = specs if specs is not None else specs_of(names, rollout_n, shared_pool)
     t.hacpo = settings or HacpoSettings()
-    t.effective = t.hacpo.effective()
+    t.effective = method_for(t.hacpo.mode).effective(t.hacpo)
     t.tracker = CapabilityTracker(len(t.specs)) if t.specs else None  # a test may set only agents
     t.global_step, t.agent_timing, t._worker_processes = 1, {}, None
     t.config = OmegaConf.create({"trainer": dict(trainer_keys or {}), "data": {}})

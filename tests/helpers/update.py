@@ -92,6 +92,7 @@ def agent_runtime(agent_cfg, spec, hacpo):
     from verl.single_controller.ray import RayClassWithInitArgs, RayResourcePool, RayWorkerGroup
     from verl.utils import hf_tokenizer
 
+    from recipe_hacpo.methods import loss_settings
     from recipe_hacpo.training.agent_runtime import AgentRuntime
     from recipe_hacpo.workers.hacpo_worker import HacpoActorRolloutRefWorker
 
@@ -102,7 +103,7 @@ def agent_runtime(agent_cfg, spec, hacpo):
                            name_prefix=f"rec_{spec.n_gpus_per_node}")
     cls = RayClassWithInitArgs(
         cls=ray.remote(HacpoActorRolloutRefWorker), config=agent_cfg.actor_rollout_ref, role="actor",
-        hacpo_loss=hacpo.loss_kwargs() if hacpo.shares else None,
+        hacpo_loss=loss_settings(hacpo),
     )
     runtime.wg = RayWorkerGroup(resource_pool=pool, ray_cls_with_init=cls, name_prefix="rec", device_name="cpu")
     runtime.wg.init_model()
