@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import MISSING, asdict, dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 PATH = "algorithm.hacpo"
 
@@ -56,11 +56,6 @@ all (every peer row, HACPO and Naive as published) or complementary (GRAFT's G1 
 CROSS_RATIO_LENGTHS = ("each", "source")
 """Length normaliser of the cross ratio (§4): each (each tokenisation's own length, the authors'
 code) or source (one exponent 1/|y^(j)|, the paper's Eq. 11)."""
-
-
-method_lookup: Callable[[str], Any] | None = None
-"""`recipe_hacpo.methods.method_for`, set when that package is imported: how `HacpoSettings.shares`
-asks the method of a mode (this ground module cannot import the methods, which sit above it)."""
 
 
 class ConfigError(ValueError):
@@ -167,14 +162,6 @@ class HacpoSettings:
     method_options: dict = field(default_factory=dict, metadata={
         "section": "§8", "meaning": "a method's own settings, as the method declares them (`Method.options_type`, "
         "docs/ALGORITHM.md \"Adding a method\"); the shipped methods take none", "choices": (), "rule": None})
-
-    @property
-    def shares(self) -> bool:
-        """Whether learners see each other's rollouts: the method's declaration (`Method.shares`),
-        for code that holds only the settings; the recipe's own modules ask the method."""
-        if method_lookup is None:
-            raise RuntimeError("HacpoSettings.shares: import recipe_hacpo.methods first (it declares each mode's facts)")
-        return method_lookup(self.mode).shares
 
     def loss_kwargs(self) -> dict:
         """The settings as plain data, as they travel to every actor worker (the method's

@@ -266,7 +266,7 @@ def test_every_method_keeps_the_contract_on_a_stand_in_step(mode, char_tokenizer
     assert set(batches) == set(names)
     for metrics in (exchanged, advantaged):
         assert set(metrics) <= set(names) and not any(k.startswith("agent/") for m in metrics.values() for k in m)
-    assert "agent/a/cross/rows" in prefixed(exchanged) or not settings.shares or mode == TOY
+    assert "agent/a/cross/rows" in prefixed(exchanged) or not method_for(settings.mode).shares or mode == TOY
     for name, batch in batches.items():
         keys = set(batch.batch.keys())
         assert set(LEARNER_TENSORS) <= keys and {"advantages", "returns"} <= keys, name

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from recipe_hacpo.config import ConfigError, agent_verl_config, validate
+from recipe_hacpo.methods import method_for
 from helpers.compose import compose_config as _compose
 
 REPO = Path(__file__).resolve().parents[1]
@@ -221,7 +222,7 @@ def test_every_method_makes_the_papers_updates(preset, method):
         assert spec.rollout_n == n
         if mode == "sgt":
             rows_per_prompt = spec.rollout_n + 1
-        elif hacpo.shares and mode != "graft":
+        elif method_for(hacpo.mode).shares and mode != "graft":
             rows_per_prompt = sum(s.rollout_n for s in specs)
         else:
             rows_per_prompt = spec.rollout_n

@@ -23,7 +23,6 @@ import importlib
 from functools import lru_cache
 from typing import TYPE_CHECKING
 
-from recipe_hacpo import hacpo_settings as _settings
 from recipe_hacpo.methods.base import Method
 
 if TYPE_CHECKING:
@@ -64,8 +63,6 @@ def method_for(mode: str) -> Method:
     except TypeError as exc:  # an abstract part of the contract (exchange, advantages) left undefined
         raise ConfigError(f"{where}: {exc}") from exc
 
-
-_settings.method_lookup = method_for  # `HacpoSettings.shares` asks the method
 
 
 def checked_settings(raw: dict) -> "HacpoSettings":
