@@ -360,10 +360,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise EvalError("--limit must be >= 1")
         if args.max_new_tokens < 1 or args.batch_size < 1:
             raise EvalError("--max-new-tokens and --batch-size must be >= 1")
-        benchmarks = build_benchmarks(args.bench, args.bench_dir, args.metric, args.samples)
         # first, what trained each trainer checkpoint to be evaluated (method, agents, step)
         for step_dir in dict.fromkeys(filter(None, (trainer_step_dir(path) for _, path in checkpoints))):
             print(describe_checkpoint(step_dir), flush=True)
+        benchmarks = build_benchmarks(args.bench, args.bench_dir, args.metric, args.samples)
         try:
             template_kwargs = json.loads(args.chat_template_kwargs)
         except json.JSONDecodeError as e:

@@ -281,7 +281,7 @@ def test_evaluate_and_export_name_the_checkpoints_run_in_their_first_line(saved,
     bench = tmp_path / "missing.parquet"
     proc = subprocess.run([sys.executable, "-m", "recipe_hacpo.evaluate", "--agents-from", os.path.dirname(folder) + "/global_step_2",
                            "--bench", f"b={bench}", "--out", str(tmp_path / "ev")], cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and "error:" in proc.stderr
+    assert proc.returncode == 2 and "error:" in proc.stderr and proc.stdout.splitlines()[0] == line, proc.stdout + proc.stderr
     # an old checkpoint: said so, in the same first line
     os.remove(os.path.join(folder, ri.IDENTITY_FILE))
     assert ri.describe_checkpoint(folder).endswith("step 2; no run identity recorded (written before checkpoints recorded one)")
