@@ -144,12 +144,16 @@ def test_graft_resume_continues_from_checkpoint_and_evaluates_it(graft_run, warm
 
     from helpers.evaluation import write_bench as _bench
 
+    from recipe_hacpo.training.run_identity import read_identity
+
     out, first, kinds = graft_run
     records = run_main(
         out,
         agent_overrides(warm_real_agent_paths, kinds) + GRAFT
         + ["algorithm.hacpo.graft_balance=false", "trainer.total_training_steps=3", "trainer.save_freq=1",
-           "trainer.test_freq=-1", "trainer.resume_mode=auto"],
+           "trainer.test_freq=-1", "trainer.resume_mode=auto",
+           # another logger and more steps: the same run (its identity, tests/test_run_identity.py), resumed
+           "trainer.logger=[console]"],
     )
     steps = train_steps(records)
     # the run's metrics file keeps the steps the checkpoint holds and adds the resumed one
@@ -158,6 +162,7 @@ def test_graft_resume_continues_from_checkpoint_and_evaluates_it(graft_run, warm
     assert_finite_losses(steps, PAIR_NAMES)
     ckpt = os.path.join(out, "ckpt")
     assert open(os.path.join(ckpt, "latest_checkpointed_iteration.txt")).read().strip() == "3"
+    assert read_identity(os.path.join(ckpt, "global_step_3")) == read_identity(os.path.join(ckpt, "global_step_2"))
 
     # the resumed run's checkpoint evaluates: both tied agents' shards merged into HF models
     bench, ev_out = _bench(tmp_path, "gsm8k"), tmp_path / "eval"
