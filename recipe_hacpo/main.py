@@ -18,17 +18,11 @@ from recipe_hacpo.config import ConfigError, validate
 
 def check_data(cfg: DictConfig) -> None:
     """Fail on a missing, empty or malformed parquet before any worker starts."""
-    from recipe_hacpo.data.schema import validate_file
+    from recipe_hacpo.data.schema import file_list, validate_file
 
-    files = _as_list(cfg.data.train_files) + (_as_list(cfg.data.val_files) if cfg.data.get("val_files") else [])
+    files = file_list(cfg.data.train_files) + (file_list(cfg.data.val_files) if cfg.data.get("val_files") else [])
     for path in files:
         validate_file(path, prompt_key=str(cfg.data.get("prompt_key", "prompt")))
-
-
-def _as_list(files) -> list[str]:
-    if isinstance(files, str):
-        return [files]
-    return [str(f) for f in files]
 
 
 def prepare(cfg: DictConfig):

@@ -258,7 +258,7 @@ def stub_trainer(root: str, on_phase=None, total_steps: int = 6, save_freq: int 
     config = OmegaConf.create({"trainer": {
         "default_local_dir": os.path.join(root, "ckpt"), "resume_mode": "auto", "resume_from_path": None,
         "test_freq": -1, "save_freq": save_freq, "val_before_train": False, "preemption": base.preemption,
-    }})
+    }, "actor_rollout_ref": {"model": {}, "actor": {}}})  # what a checkpoint's run identity reads
     return stand_in_trainer(
         cls=Stub, specs=[StubAgent(n, i).spec for i, n in enumerate(NAMES)], config=config,
         agents={n: StubAgent(n, i) for i, n in enumerate(NAMES)},

@@ -103,6 +103,13 @@ def check_records(records: Iterable[dict], path: str, prompt_key: str = "prompt"
         raise DataFormatError(f"{path}: no rows (expected at least one row in verl's RL format)")
 
 
+def file_list(files) -> list[str]:
+    """`data.train_files` / `data.val_files` as a list of paths: one path, a list of them, or none."""
+    if files is None:
+        return []
+    return [str(files)] if isinstance(files, str) else [str(f) for f in files]
+
+
 def validate_file(path: str, prompt_key: str = "prompt") -> int:
     """Read a parquet / json / jsonl data file and validate it; returns the number of rows."""
     if not os.path.isfile(path):

@@ -25,6 +25,7 @@ from typing import Any, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from recipe_hacpo.data.schema import file_list
 from recipe_hacpo.hacpo_settings import ConfigError
 from recipe_hacpo.methods import method_for
 
@@ -103,12 +104,6 @@ def model_digest(path: str) -> str | None:
     return _sha256(files) if files else None
 
 
-def _as_list(files) -> list[str]:
-    if files is None:
-        return []
-    return [str(files)] if isinstance(files, str) else [str(f) for f in files]
-
-
 def _reward_path(cfg: DictConfig) -> str:
     import recipe_hacpo.reward.math_reward as math_reward
 
@@ -116,15 +111,6 @@ def _reward_path(cfg: DictConfig) -> str:
     if not path or os.path.realpath(str(path)) == os.path.realpath(math_reward.__file__):
         return "package"  # wherever the package is installed, it is the same reward
     return str(path)
-
-
-def _agent_value(cfg: DictConfig, spec, key: str, default: Any) -> Any:
-    """`actor_rollout_ref.<key>` as agent `spec` sees it (the template, then its own overrides)."""
-    value = OmegaConf.select(cfg, f"actor_rollout_ref.{key}", default=default)
-    node: Any = spec.overrides
-    for part in key.split("."):
-        node = node.get(part) if isinstance(node, dict) else None
-    return value if node is None else node
 
 
 def run_identity(cfg: DictConfig, specs) -> dict[str, Any]:
@@ -141,14 +127,14 @@ def run_identity(cfg: DictConfig, specs) -> dict[str, Any]:
         identity[f"{key}.model_path"] = s.model_path
         identity[f"{key}.model_digest"] = model_digest(s.model_path)
         identity[f"{key}.rollout_n"] = int(s.rollout_n)
-        identity[f"{key}.lora_rank"] = int(_agent_value(cfg, s, "model.lora_rank", 0) or 0)
-        identity[f"{key}.policy_loss"] = (str(_agent_value(cfg, s, "actor.policy_loss.loss_mode", "vanilla"))
-                                          if verl_loss else None)
+        identity[f"{key}.lora_rank"] = int(s.section(cfg, "model").get("lora_rank") or 0)
+        identity[f"{key}.policy_loss"] = (
+            str(OmegaConf.select(s.section(cfg, "actor"), "policy_loss.loss_mode", default="vanilla")) if verl_loss else None)
     identity["reward.custom_reward_function.path"] = _reward_path(cfg)
     identity["reward.custom_reward_function.name"] = str(
         OmegaConf.select(cfg, "reward.custom_reward_function.name", default=None) or "compute_score")
     identity["data.train_files"] = [f"{os.path.basename(p)} sha256:{_sha256([p])[:16]}"
-                                    for p in _as_list(OmegaConf.select(cfg, "data.train_files", default=None))]
+                                    for p in file_list(OmegaConf.select(cfg, "data.train_files", default=None))]
     identity["trainer.async.enable"] = bool(OmegaConf.select(cfg, "trainer.async.enable", default=False))
     return identity
 

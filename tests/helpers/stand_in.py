@@ -40,7 +40,9 @@ def stand_in_trainer(names: Sequence[str] = (), *, specs: list | None = None, se
     t.effective = method_for(t.hacpo.mode).effective(t.hacpo)
     t.tracker = CapabilityTracker(len(t.specs)) if t.specs else None  # a test may set only agents
     t.global_step, t.agent_timing, t._worker_processes = 1, {}, None
-    t.config = OmegaConf.create({"trainer": dict(trainer_keys or {}), "data": {}})
+    # the sections a checkpoint's run identity reads (recipe_hacpo/training/run_identity.py)
+    t.config = OmegaConf.create({"trainer": dict(trainer_keys or {}), "data": {},
+                                 "actor_rollout_ref": {"model": {}, "actor": {}}})
     t.agents = {s.name: SimpleNamespace(spec=s) for s in t.specs}
     t._pool = cf.ThreadPoolExecutor(max(1, len(t.specs)))
     for key, value in attrs.items():
